@@ -1,0 +1,15 @@
+"""The custom ops (``torch.ops.moe_lora.*``), their pure-PyTorch references and the shared contract."""
+
+from .contract import ACTIVATIONS, LAYOUTS
+from .fused_moe_lora import fused_moe_lora
+from .lora_linear import lora_linear
+from .reference import fused_moe_lora_reference, lora_linear_reference
+
+__all__ = [
+    "ACTIVATIONS",
+    "LAYOUTS",
+    "fused_moe_lora",
+    "fused_moe_lora_reference",
+    "lora_linear",
+    "lora_linear_reference",
+]

@@ -1,0 +1,189 @@
+"""The op contract in one place: weight layouts, activations, and the argument checks every impl shares.
+
+Notation: T tokens, H hidden, I expert intermediate, E experts, k top-k, L adapter slots, R slot rank.
+
+Base expert weights keep the model's own layout:
+
+=========================  ===============  ============  ====================================
+layout                     w13              w2            gate/up order inside the 2I axis
+=========================  ===============  ============  ====================================
+``concat``                 ``[E, 2I, H]``   ``[E, H, I]`` gate rows ``[0, I)``, up ``[I, 2I)``
+``transposed_concat``      ``[E, H, 2I]``   ``[E, I, H]`` same, along the last axis (Llama-4)
+``transposed_interleaved`` ``[E, H, 2I]``   ``[E, I, H]`` gate ``0::2``, up ``1::2`` (GPT-OSS)
+=========================  ===============  ============  ====================================
+
+LoRA stacks always use vLLM's 3-D layout, the 2I axis in the base weight's own gate/up order and the scaling
+already folded into B: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``, ``lora_b2 [L,E,H,R]``.
+``token_lora_ids [T]`` int32 picks the slot per token; ``-1`` means no adapter.
+
+The checks below look only at shapes, dtypes and devices, so they run unchanged in the fake (meta) impl under
+symbolic shapes; value checks (ids in range) need data and live in :func:`check_index_values`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("concat", "transposed_concat", "transposed_interleaved")
+ACTIVATIONS = ("silu", "gptoss_swiglu")
+# GPT-OSS clamped swiglu constants (transformers' GptOssExperts).
+GPTOSS_ALPHA = 1.702
+GPTOSS_LIMIT = 7.0
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def is_transposed(layout: str) -> bool:
+    """True when base weights are stored ``[E, in, out]`` (GPT-OSS, Llama-4)."""
+    return layout.startswith("transposed")
+
+
+def is_interleaved(layout: str) -> bool:
+    return layout == "transposed_interleaved"
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def _expect_rank(name: str, t: torch.Tensor, rank: int, what: str) -> None:
+    if t.dim() != rank:
+        raise ValueError(f"{name} must be {rank}-D {what}, got shape {_shape(t)}")
+
+
+def _expect_dim(name: str, t: torch.Tensor, dim: int, size, what: str) -> None:
+    torch._check_value(
+        t.shape[dim] == size,
+        lambda: f"{name} must have shape {what}; got {_shape(t)} (dim {dim} should be {size})",
+    )
+
+
+def _expect_dtype(name: str, t: torch.Tensor, allowed, what: str) -> None:
+    if t.dtype not in allowed:
+        raise TypeError(f"{name} must be {what}, got {t.dtype}")
+
+
+def _expect_device(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
+    if t.device != ref.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {ref.device}; all tensors must share one device")
+
+
+def check_fused_moe_lora_args(
+    x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+    w13_bias, w2_bias, layout: str, activation: str,
+) -> None:
+    """Shape/dtype/device checks of ``fused_moe_lora``; raises ValueError/TypeError naming the argument."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _expect_rank("x", x, 2, "[T, H]")
+    _expect_dtype("x", x, _FLOAT_DTYPES, "a floating tensor")
+    T, H = x.shape
+    _expect_rank("topk_ids", topk_ids, 2, "[T, k]")
+    _expect_dtype("topk_ids", topk_ids, _INDEX_DTYPES, "int32 or int64")
+    k = topk_ids.shape[1]
+    _expect_dim("topk_ids", topk_ids, 0, T, "[T, k] with T = x.shape[0]")
+    _expect_rank("topk_weights", topk_weights, 2, "[T, k]")
+    _expect_dtype("topk_weights", topk_weights, _FLOAT_DTYPES, "a floating tensor")
+    _expect_dim("topk_weights", topk_weights, 0, T, "[T, k] like topk_ids")
+    _expect_dim("topk_weights", topk_weights, 1, k, "[T, k] like topk_ids")
+    _expect_rank("token_lora_ids", token_lora_ids, 1, "[T]")
+    _expect_dtype("token_lora_ids", token_lora_ids, _INDEX_DTYPES, "int32 or int64 (-1 = no adapter)")
+    _expect_dim("token_lora_ids", token_lora_ids, 0, T, "[T] with T = x.shape[0]")
+
+    _expect_rank("w13", w13, 3, "[E, 2I, H] or [E, H, 2I]")
+    _expect_rank("w2", w2, 3, "[E, H, I] or [E, I, H]")
+    for name, t in (("w13", w13), ("w2", w2)):
+        _expect_dtype(name, t, _FLOAT_DTYPES, "a floating tensor")
+    E = w13.shape[0]
+    if is_transposed(layout):
+        _expect_dim("w13", w13, 1, H, f"[E, H, 2I] for layout {layout!r}")
+        two_i = w13.shape[2]
+        _expect_dim("w2", w2, 0, E, f"[E, I, H] for layout {layout!r}")
+        _expect_dim("w2", w2, 2, H, f"[E, I, H] for layout {layout!r}")
+        I = w2.shape[1]
+    else:
+        _expect_dim("w13", w13, 2, H, "[E, 2I, H] for layout 'concat'")
+        two_i = w13.shape[1]
+        _expect_dim("w2", w2, 0, E, "[E, H, I] for layout 'concat'")
+        _expect_dim("w2", w2, 1, H, "[E, H, I] for layout 'concat'")
+        I = w2.shape[2]
+    torch._check_value(
+        two_i == 2 * I,
+        lambda: f"w13's gate/up axis ({two_i}) must be twice w2's intermediate axis ({I}) for layout {layout!r}",
+    )
+
+    _expect_rank("lora_a13", lora_a13, 4, "[L, E, R, H]")
+    L, R = lora_a13.shape[0], lora_a13.shape[2]
+    _expect_dim("lora_a13", lora_a13, 1, E, "[L, E, R, H]")
+    _expect_dim("lora_a13", lora_a13, 3, H, "[L, E, R, H]")
+    _expect_rank("lora_b13", lora_b13, 4, "[L, E, 2I, R]")
+    for dim, size in ((0, L), (1, E), (2, 2 * I), (3, R)):
+        _expect_dim("lora_b13", lora_b13, dim, size, f"[L, E, 2I, R] = [{L}, {E}, {2 * I}, {R}] matching lora_a13")
+    _expect_rank("lora_a2", lora_a2, 4, "[L, E, R, I]")
+    for dim, size in ((0, L), (1, E), (2, R), (3, I)):
+        _expect_dim("lora_a2", lora_a2, dim, size, f"[L, E, R, I] = [{L}, {E}, {R}, {I}] matching lora_a13")
+    _expect_rank("lora_b2", lora_b2, 4, "[L, E, H, R]")
+    for dim, size in ((0, L), (1, E), (2, H), (3, R)):
+        _expect_dim("lora_b2", lora_b2, dim, size, f"[L, E, H, R] = [{L}, {E}, {H}, {R}] matching lora_a13")
+    for name, t in (("lora_a13", lora_a13), ("lora_b13", lora_b13), ("lora_a2", lora_a2), ("lora_b2", lora_b2)):
+        _expect_dtype(name, t, _FLOAT_DTYPES, "a floating tensor")
+
+    if w13_bias is not None:
+        _expect_rank("w13_bias", w13_bias, 2, "[E, 2I]")
+        _expect_dim("w13_bias", w13_bias, 0, E, f"[E, 2I] = [{E}, {2 * I}]")
+        _expect_dim("w13_bias", w13_bias, 1, 2 * I, f"[E, 2I] = [{E}, {2 * I}]")
+    if w2_bias is not None:
+        _expect_rank("w2_bias", w2_bias, 2, "[E, H]")
+        _expect_dim("w2_bias", w2_bias, 0, E, f"[E, H] = [{E}, {H}]")
+        _expect_dim("w2_bias", w2_bias, 1, H, f"[E, H] = [{E}, {H}]")
+
+    named = [("topk_ids", topk_ids), ("topk_weights", topk_weights), ("token_lora_ids", token_lora_ids),
+             ("w13", w13), ("w2", w2), ("lora_a13", lora_a13), ("lora_b13", lora_b13), ("lora_a2", lora_a2),
+             ("lora_b2", lora_b2), ("w13_bias", w13_bias), ("w2_bias", w2_bias)]
+    for name, t in named:
+        if t is not None:
+            _expect_device(name, t, x)
+
+
+def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> None:
+    """Shape/dtype/device checks of ``lora_linear``; raises ValueError/TypeError naming the argument."""
+    _expect_rank("x", x, 2, "[T, in]")
+    _expect_dtype("x", x, _FLOAT_DTYPES, "a floating tensor")
+    T, n_in = x.shape
+    _expect_rank("weight", weight, 2, "[out, in]")
+    _expect_dtype("weight", weight, _FLOAT_DTYPES, "a floating tensor")
+    _expect_dim("weight", weight, 1, n_in, f"[out, in] with in = x.shape[1] = {n_in}")
+    n_out = weight.shape[0]
+    _expect_rank("lora_a", lora_a, 3, "[L, R, in]")
+    L, R = lora_a.shape[0], lora_a.shape[1]
+    _expect_dim("lora_a", lora_a, 2, n_in, f"[L, R, in] with in = {n_in}")
+    _expect_rank("lora_b", lora_b, 3, "[L, out, R]")
+    for dim, size in ((0, L), (1, n_out), (2, R)):
+        _expect_dim("lora_b", lora_b, dim, size, f"[L, out, R] = [{L}, {n_out}, {R}] matching lora_a and weight")
+    for name, t in (("lora_a", lora_a), ("lora_b", lora_b)):
+        _expect_dtype(name, t, _FLOAT_DTYPES, "a floating tensor")
+    _expect_rank("token_lora_ids", token_lora_ids, 1, "[T]")
+    _expect_dtype("token_lora_ids", token_lora_ids, _INDEX_DTYPES, "int32 or int64 (-1 = no adapter)")
+    _expect_dim("token_lora_ids", token_lora_ids, 0, T, "[T] with T = x.shape[0]")
+    if bias is not None:
+        _expect_rank("bias", bias, 1, "[out]")
+        _expect_dim("bias", bias, 0, n_out, f"[out] = [{n_out}]")
+    for name, t in (("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b),
+                    ("token_lora_ids", token_lora_ids), ("bias", bias)):
+        if t is not None:
+            _expect_device(name, t, x)
+
+
+def check_index_values(name: str, ids: torch.Tensor, low: int, high: int) -> None:
+    """Data check ``low <= ids < high``. CPU: raises ValueError. CUDA: an async device assert (no host sync)."""
+    if ids.numel() == 0:
+        return
+    if ids.device.type == "cpu":
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < low or hi >= high:
+            raise ValueError(f"{name} values must lie in [{low}, {high}); got min {lo}, max {hi}")
+    else:
+        torch._assert_async(((ids >= low) & (ids < high)).all(), f"{name} values must lie in [{low}, {high})")

@@ -1,0 +1,175 @@
+"""``torch.ops.moe_lora.fused_moe_lora``: one MoE layer with per-token multi-LoRA, as a ``torch.library`` custom op.
+
+CPU runs the reference (:mod:`.reference`); CUDA runs :mod:`.cuda_impl` (Triton); the fake impl gives
+``torch.compile`` the output's shape and strides. The op is opaque to Dynamo, so argument checks inside it never
+graph-break. Gradients flow to ``x``, ``topk_weights`` and the four LoRA stacks (base weights are frozen) through
+``moe_lora::fused_moe_lora_backward``, which recomputes the reference under autograd. Contract: :mod:`.contract`.
+
+The biases are keyword arguments of :func:`fused_moe_lora`; in the op's schema they follow the core tensors as
+optional positional-or-keyword tensors, because ``torch.library`` cannot give kwarg-only tensors an autograd formula.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import cuda_impl
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args, check_index_values
+from .reference import fused_moe_lora_reference
+from .registration import frozen_input_error, recompute_grads
+
+CORE_ARGS = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2",
+             "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias")
+# Inputs that receive gradients (positions in CORE_ARGS); the rest are indices or frozen base weights.
+_GRAD_POSITIONS = (0, 2, 6, 7, 8, 9)
+_FROZEN_POSITIONS = (4, 5, 10, 11)
+
+
+def _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values: bool) -> None:
+    check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
+                              lora_b2, w13_bias, w2_bias, layout, activation)
+    if values:
+        check_index_values("topk_ids", topk_ids, 0, w13.shape[0])
+        check_index_values("token_lora_ids", token_lora_ids, -1, lora_a13.shape[0])
+
+
+@torch.library.custom_op("moe_lora::fused_moe_lora", mutates_args=())
+def _fused_moe_lora_op(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_lora_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    lora_a13: Tensor,
+    lora_b13: Tensor,
+    lora_a2: Tensor,
+    lora_b2: Tensor,
+    w13_bias: Optional[Tensor] = None,
+    w2_bias: Optional[Tensor] = None,
+    *,
+    layout: str = "concat",
+    activation: str = "silu",
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
+    routing_weight_on_input: bool = False,
+) -> Tensor:
+    _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values=True)
+    return fused_moe_lora_reference(
+        x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+        w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
+        routing_weight_on_input=routing_weight_on_input,
+    )
+
+
+@_fused_moe_lora_op.register_kernel("cuda")
+def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+                         w13_bias=None, w2_bias=None, *, layout="concat", activation="silu", alpha=GPTOSS_ALPHA,
+                         limit=GPTOSS_LIMIT, routing_weight_on_input=False):
+    _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device())
+    return cuda_impl.fused_moe_lora_cuda(
+        x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+        w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
+        routing_weight_on_input=routing_weight_on_input,
+    )
+
+
+@_fused_moe_lora_op.register_fake
+def _fused_moe_lora_fake(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+                         w13_bias=None, w2_bias=None, *, layout="concat", activation="silu", alpha=GPTOSS_ALPHA,
+                         limit=GPTOSS_LIMIT, routing_weight_on_input=False):
+    _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values=False)
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("moe_lora::fused_moe_lora_backward", mutates_args=())
+def _fused_moe_lora_backward_op(
+    grad_y: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_lora_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    lora_a13: Tensor,
+    lora_b13: Tensor,
+    lora_a2: Tensor,
+    lora_b2: Tensor,
+    w13_bias: Optional[Tensor] = None,
+    w2_bias: Optional[Tensor] = None,
+    *,
+    layout: str = "concat",
+    activation: str = "silu",
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
+    routing_weight_on_input: bool = False,
+) -> list[Tensor]:
+    """Grads of ``fused_moe_lora`` w.r.t. (x, topk_weights, lora_a13, lora_b13, lora_a2, lora_b2)."""
+    args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
+    kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
+                  limit=limit, routing_weight_on_input=routing_weight_on_input)
+    return recompute_grads(fused_moe_lora_reference, grad_y, args, kwargs, _GRAD_POSITIONS)
+
+
+@_fused_moe_lora_backward_op.register_fake
+def _fused_moe_lora_backward_fake(grad_y, *args, **kwargs):
+    return [torch.empty_like(args[i], memory_format=torch.contiguous_format) for i in _GRAD_POSITIONS]
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    for pos in _FROZEN_POSITIONS:
+        if inputs[pos] is not None and inputs[pos].requires_grad:
+            raise frozen_input_error("fused_moe_lora", CORE_ARGS[pos])
+    ctx.save_for_backward(*inputs)
+    ctx.kw = keyword_only_inputs
+
+
+def _backward(ctx, grad_y):
+    grads = torch.ops.moe_lora.fused_moe_lora_backward(grad_y, *ctx.saved_tensors, **ctx.kw)
+    out = [None] * len(CORE_ARGS)
+    for pos, g in zip(_GRAD_POSITIONS, grads):
+        out[pos] = g if ctx.needs_input_grad[pos] else None
+    return tuple(out)
+
+
+_fused_moe_lora_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def fused_moe_lora(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_lora_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    lora_a13: Tensor,
+    lora_b13: Tensor,
+    lora_a2: Tensor,
+    lora_b2: Tensor,
+    *,
+    w13_bias: Optional[Tensor] = None,
+    w2_bias: Optional[Tensor] = None,
+    layout: str = "concat",
+    activation: str = "silu",
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
+    routing_weight_on_input: bool = False,
+) -> Tensor:
+    """One MoE layer, each token's LoRA delta from its own adapter slot: ``torch.ops.moe_lora.fused_moe_lora``.
+
+    x [T,H]; topk_ids [T,k] int; topk_weights [T,k]; token_lora_ids [T] int (-1 = base only); w13/w2 in
+    ``layout`` (see :mod:`.contract`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R], lora_a2 [L,E,R,I],
+    lora_b2 [L,E,H,R] (scaling folded into B). Returns ``y [T, H]`` in ``x.dtype``.
+    """
+    return torch.ops.moe_lora.fused_moe_lora(
+        x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+        w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
+        routing_weight_on_input=routing_weight_on_input,
+    )

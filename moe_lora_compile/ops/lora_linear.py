@@ -1,0 +1,92 @@
+"""``torch.ops.moe_lora.lora_linear``: a linear layer plus each token's LoRA delta from its own adapter slot.
+
+Gradients flow to ``x`` and the LoRA stacks (``weight`` and ``bias`` are frozen) through
+``moe_lora::lora_linear_backward``, which recomputes the reference under autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import cuda_impl
+from .contract import check_index_values, check_lora_linear_args
+from .reference import lora_linear_reference
+from .registration import frozen_input_error, recompute_grads
+
+CORE_ARGS = ("x", "weight", "lora_a", "lora_b", "token_lora_ids", "bias")
+_GRAD_POSITIONS = (0, 2, 3)
+_FROZEN_POSITIONS = (1, 5)
+
+
+def _check(x, weight, lora_a, lora_b, token_lora_ids, bias, values: bool) -> None:
+    check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias)
+    if values:
+        check_index_values("token_lora_ids", token_lora_ids, -1, lora_a.shape[0])
+
+
+@torch.library.custom_op("moe_lora::lora_linear", mutates_args=())
+def _lora_linear_op(
+    x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, bias: Optional[Tensor] = None
+) -> Tensor:
+    _check(x, weight, lora_a, lora_b, token_lora_ids, bias, values=True)
+    return lora_linear_reference(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)
+
+
+@_lora_linear_op.register_kernel("cuda")
+def _lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, bias=None):
+    _check(x, weight, lora_a, lora_b, token_lora_ids, bias, values=cuda_impl.check_values_on_device())
+    return cuda_impl.lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)
+
+
+@_lora_linear_op.register_fake
+def _lora_linear_fake(x, weight, lora_a, lora_b, token_lora_ids, bias=None):
+    _check(x, weight, lora_a, lora_b, token_lora_ids, bias, values=False)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("moe_lora::lora_linear_backward", mutates_args=())
+def _lora_linear_backward_op(
+    grad_y: Tensor, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor,
+    bias: Optional[Tensor] = None,
+) -> list[Tensor]:
+    """Grads of ``lora_linear`` w.r.t. (x, lora_a, lora_b)."""
+    args = (x, weight, lora_a, lora_b, token_lora_ids)
+    return recompute_grads(lora_linear_reference, grad_y, args, dict(bias=bias), _GRAD_POSITIONS)
+
+
+@_lora_linear_backward_op.register_fake
+def _lora_linear_backward_fake(grad_y, *args, **kwargs):
+    return [torch.empty_like(args[i], memory_format=torch.contiguous_format) for i in _GRAD_POSITIONS]
+
+
+def _setup_context(ctx, inputs, output):
+    for pos in _FROZEN_POSITIONS:
+        if inputs[pos] is not None and inputs[pos].requires_grad:
+            raise frozen_input_error("lora_linear", CORE_ARGS[pos])
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad_y):
+    grads = torch.ops.moe_lora.lora_linear_backward(grad_y, *ctx.saved_tensors)
+    out = [None] * len(CORE_ARGS)
+    for pos, g in zip(_GRAD_POSITIONS, grads):
+        out[pos] = g if ctx.needs_input_grad[pos] else None
+    return tuple(out)
+
+
+_lora_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def lora_linear(
+    x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``y = x @ weight^T (+ bias) + B[l] A[l] x`` per token: ``torch.ops.moe_lora.lora_linear``.
+
+    x [T, in]; weight [out, in]; lora_a [L, R, in]; lora_b [L, out, R] (scaling in B); token_lora_ids [T] int
+    (-1 = no adapter); bias [out] or None. Returns ``y [T, out]`` in ``x.dtype``.
+    """
+    return torch.ops.moe_lora.lora_linear(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)

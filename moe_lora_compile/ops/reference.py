@@ -1,0 +1,131 @@
+"""Pure-PyTorch reference impls of the ops: the definition of correctness.
+
+Static shapes, fp32 accumulation, no ``.item()`` and no data-dependent Python control flow, so the same code runs on
+CPU and CUDA and traces under ``torch.compile``. "No adapter" (``token_lora_ids == -1``) is a multiplicative mask,
+never a branch. Layouts and argument meanings: :mod:`moe_lora_compile.ops.contract`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_interleaved, is_transposed
+
+
+def split_gate_up(h: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """``h [..., 2I]`` in the layout's gate/up order -> ``(gate [..., I], up [..., I])``."""
+    if is_interleaved(layout):
+        return h[..., 0::2], h[..., 1::2]
+    return h.chunk(2, dim=-1)
+
+
+def glu_activation(gate: Tensor, up: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
+    """``silu``: ``silu(gate) * up``; ``gptoss_swiglu``: GPT-OSS's clamped swiglu with ``alpha``/``limit``."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _pair_lora(xp: Tensor, a: Tensor, b: Tensor, lora_ids: Tensor, experts: Tensor) -> Tensor:
+    """Per (token, k) pair LoRA delta ``B[l,e] @ (A[l,e] @ x)``, zero where ``l == -1``.
+
+    xp [P, in] fp32; a [L, E, R, in]; b [L, E, out, R]; lora_ids/experts [P] int64 -> [P, out] fp32.
+    """
+    has_lora = (lora_ids >= 0).to(xp.dtype)
+    slot = lora_ids.clamp(min=0)
+    a_p = a[slot, experts].to(xp.dtype)  # [P, R, in]
+    b_p = b[slot, experts].to(xp.dtype)  # [P, out, R]
+    shrunk = torch.bmm(a_p, xp.unsqueeze(-1))  # [P, R, 1]
+    return torch.bmm(b_p, shrunk).squeeze(-1) * has_lora.unsqueeze(-1)
+
+
+def _pair_matmul(xp: Tensor, w: Tensor, experts: Tensor, transposed: bool) -> Tensor:
+    """xp [P, in] fp32 times expert weights ``w[e]`` (``[E, out, in]``, or ``[E, in, out]`` if transposed)."""
+    w_p = w[experts].to(xp.dtype)
+    if transposed:
+        return torch.bmm(xp.unsqueeze(1), w_p).squeeze(1)
+    return torch.bmm(w_p, xp.unsqueeze(-1)).squeeze(-1)
+
+
+def fused_moe_lora_reference(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_lora_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    lora_a13: Tensor,
+    lora_b13: Tensor,
+    lora_a2: Tensor,
+    lora_b2: Tensor,
+    *,
+    w13_bias: Optional[Tensor] = None,
+    w2_bias: Optional[Tensor] = None,
+    layout: str = "concat",
+    activation: str = "silu",
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
+    routing_weight_on_input: bool = False,
+) -> Tensor:
+    """One MoE layer with per-token multi-LoRA. Returns ``y [T, H]`` in ``x.dtype``.
+
+    ``y[t] = sum_j w[t,j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t,j]``; every projection adds
+    ``B[l,e] A[l,e] x`` for ``l = token_lora_ids[t]`` (nothing when ``l == -1``). With ``routing_weight_on_input``
+    (Llama-4) the weight scales the expert's input instead of its output.
+    """
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    transposed = is_transposed(layout)
+    acc = torch.float32 if x.dtype != torch.float64 else torch.float64
+
+    experts = topk_ids.reshape(-1).long()  # [P], P = T*k, token-major
+    lora_ids = token_lora_ids.long().unsqueeze(1).expand(T, k).reshape(-1)
+    weights = topk_weights.to(acc).reshape(-1, 1)
+    xp = x.to(acc).unsqueeze(1).expand(T, k, H).reshape(-1, H)  # [P, H]
+    if routing_weight_on_input:
+        xp = xp * weights
+
+    h = _pair_matmul(xp, w13, experts, transposed) + _pair_lora(xp, lora_a13, lora_b13, lora_ids, experts)
+    if w13_bias is not None:
+        h = h + w13_bias[experts].to(acc)
+    gate, up = split_gate_up(h, layout)
+    act = glu_activation(gate, up, activation, alpha, limit)  # [P, I]
+
+    out = _pair_matmul(act, w2, experts, transposed) + _pair_lora(act, lora_a2, lora_b2, lora_ids, experts)
+    if w2_bias is not None:
+        out = out + w2_bias[experts].to(acc)
+    if not routing_weight_on_input:
+        out = out * weights
+    return out.reshape(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def lora_linear_reference(
+    x: Tensor,
+    weight: Tensor,
+    lora_a: Tensor,
+    lora_b: Tensor,
+    token_lora_ids: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    """``y = x @ weight^T (+ bias) + B[l] A[l] x`` per token, ``l = token_lora_ids[t]`` (-1 = none).
+
+    x [T, in]; weight [out, in]; lora_a [L, R, in]; lora_b [L, out, R] -> y [T, out] in ``x.dtype``.
+    The per-token slot choice is a one-hot mask over all L slots (shrink is cheap), not a gather of B.
+    """
+    acc = torch.float32 if x.dtype != torch.float64 else torch.float64
+    L, R, n_in = lora_a.shape
+    xf = x.to(acc)
+    y = xf @ weight.to(acc).t()
+    if bias is not None:
+        y = y + bias.to(acc)
+    shrunk = (xf @ lora_a.to(acc).reshape(L * R, n_in).t()).reshape(-1, L, R)  # [T, L, R]
+    one_hot = token_lora_ids.long().unsqueeze(1) == torch.arange(L, device=x.device).unsqueeze(0)  # [T, L]
+    shrunk = shrunk * one_hot.to(acc).unsqueeze(-1)
+    b_flat = lora_b.to(acc).permute(0, 2, 1).reshape(L * R, -1)  # [L*R, out]
+    return (y + shrunk.reshape(-1, L * R) @ b_flat).to(x.dtype)
