@@ -1,0 +1,97 @@
+"""Bad input gets a clear error that names the argument (and the op works under compile, so checks never graph-break)."""
+
+import pytest
+import torch
+from loop_reference import MoECase
+from test_lora_linear import make_linear
+
+import moe_lora_compile as mlc
+
+NAMES = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2", "lora_a13", "lora_b13", "lora_a2", "lora_b2")
+
+
+def _moe_args(**case):
+    args, kwargs = MoECase(T=4, **case).make()
+    return dict(zip(NAMES, args)), kwargs
+
+
+def _replace(name, make_bad, **case):
+    args, kwargs = _moe_args(**case)
+    args[name] = make_bad(args[name])
+    return args, kwargs
+
+
+MOE_BAD = [
+    # (argument, how it is made wrong, error type, text the message must contain)
+    ("x", lambda t: t[None], ValueError, "x must be 2-D"),
+    ("x", lambda t: t.to(torch.int64), TypeError, "x must be a floating tensor"),
+    ("topk_ids", lambda t: t[:3], ValueError, "topk_ids must have shape [T, k]"),
+    ("topk_ids", lambda t: t.float(), TypeError, "topk_ids must be int32 or int64"),
+    ("topk_ids", lambda t: t + 100, ValueError, "topk_ids values must lie in [0, 4)"),
+    ("topk_weights", lambda t: t[:, :1], ValueError, "topk_weights must have shape [T, k]"),
+    ("token_lora_ids", lambda t: t[:2], ValueError, "token_lora_ids must have shape [T]"),
+    ("token_lora_ids", lambda t: torch.full_like(t, 3), ValueError, "token_lora_ids values must lie in [-1, 3)"),
+    ("token_lora_ids", lambda t: torch.full_like(t, -2), ValueError, "token_lora_ids values must lie in [-1, 3)"),
+    ("w13", lambda t: t[:, :, :-1], ValueError, "w13 must have shape [E, 2I, H]"),
+    ("w13", lambda t: t[:, :-2], ValueError, "w13's gate/up axis (22) must be twice"),
+    ("w2", lambda t: t[:-1], ValueError, "w2 must have shape [E, H, I]"),
+    ("lora_a13", lambda t: t[..., :-1], ValueError, "lora_a13 must have shape [L, E, R, H]"),
+    ("lora_b13", lambda t: t[..., :-1], ValueError, "lora_b13 must have shape [L, E, 2I, R]"),  # rank mismatch
+    ("lora_b13", lambda t: t[:2], ValueError, "lora_b13 must have shape [L, E, 2I, R]"),  # slot-count mismatch
+    ("lora_a2", lambda t: t[:, :, :-1], ValueError, "lora_a2 must have shape [L, E, R, I]"),
+    ("lora_b2", lambda t: t[0], ValueError, "lora_b2 must be 4-D"),
+]
+
+
+@pytest.mark.parametrize("name,make_bad,error,message", MOE_BAD, ids=[f"{r[0]}-{r[3][:30]}" for r in MOE_BAD])
+def test_fused_moe_lora_bad_input(name, make_bad, error, message):
+    args, kwargs = _replace(name, make_bad)
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        mlc.fused_moe_lora(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(layout="rows"), "layout must be one of"),  # unknown layout
+    (dict(activation="gelu"), "activation must be one of"),  # unknown activation
+    (dict(layout="transposed_interleaved"), "w13 must have shape [E, H, 2I]"),  # layout does not fit the weights
+    (dict(w13_bias=torch.zeros(4, 5)), "w13_bias must have shape [E, 2I]"),
+    (dict(w2_bias=torch.zeros(3, 16)), "w2_bias must have shape [E, H]"),
+])
+def test_fused_moe_lora_bad_attributes(kwargs, message):
+    args, base = _moe_args()
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        mlc.fused_moe_lora(*args.values(), **{**base, **kwargs})
+
+
+def test_errors_under_compile_too():
+    """Shape errors surface from the fake impl while tracing, still naming the argument."""
+    args, kwargs = _replace("lora_b2", lambda t: t[..., :-1])
+    fn = torch.compile(mlc.fused_moe_lora, fullgraph=True)
+    with pytest.raises(Exception, match="lora_b2 must have shape"):
+        fn(*args.values(), **kwargs)
+
+
+LINEAR_BAD = [
+    (0, lambda t: t[0], ValueError, "x must be 2-D"),
+    (1, lambda t: t[:, :-1], ValueError, "weight must have shape [out, in]"),
+    (2, lambda t: t[..., :-1], ValueError, "lora_a must have shape [L, R, in]"),
+    (3, lambda t: t[..., :-1], ValueError, "lora_b must have shape [L, out, R]"),  # rank mismatch with lora_a
+    (3, lambda t: t[:1], ValueError, "lora_b must have shape [L, out, R]"),  # slot-count mismatch
+    (4, lambda t: t.float(), TypeError, "token_lora_ids must be int32 or int64"),
+    (4, lambda t: torch.full_like(t, 7), ValueError, "token_lora_ids values must lie in [-1, 3)"),
+]
+
+
+@pytest.mark.parametrize("pos,make_bad,error,message", LINEAR_BAD, ids=[r[3][:30] for r in LINEAR_BAD])
+def test_lora_linear_bad_input(pos, make_bad, error, message):
+    args, _ = make_linear(5, 10, 12, 3, 4)
+    args = list(args)
+    args[pos] = make_bad(args[pos])
+    with pytest.raises(error, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        mlc.lora_linear(*args)
+
+
+def test_lora_linear_bad_bias():
+    args, _ = make_linear(5, 10, 12, 3, 4)
+    with pytest.raises(ValueError, match=r"bias must have shape \[out\]"):
+        mlc.lora_linear(*args, bias=torch.zeros(11))
