@@ -1,4 +1,5 @@
-"""CUDA impls of the ops. The Triton kernels plug in here; until a kernel covers a case, the reference serves.
+"""CUDA impls of the ops: the Triton kernels of :mod:`.triton`, the reference for what they do not cover (float64,
+or LoRA/weight dtypes that differ from ``x``'s).
 
 ``MOE_LORA_CHECK_IDS=0`` turns off the on-device range asserts of ``topk_ids`` / ``token_lora_ids`` (they never
 sync the host, but cost a small launch each).
@@ -11,6 +12,7 @@ import os
 import torch
 
 from .reference import fused_moe_lora_reference, lora_linear_reference
+from .triton.launch import SUPPORTED_DTYPES, fused_moe_lora_triton, lora_linear_triton
 
 
 def check_values_on_device() -> bool:
@@ -20,9 +22,23 @@ def check_values_on_device() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def fused_moe_lora_cuda(*args, **kwargs):
+def _kernel_covers(x: torch.Tensor, *others) -> bool:
+    """The kernels take one float dtype (fp32/fp16/bf16) for x, weights, biases and LoRA stacks."""
+    return x.dtype in SUPPORTED_DTYPES and all(t is None or t.dtype == x.dtype for t in others)
+
+
+def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+                        **kwargs):
+    """Same signature and result as :func:`.reference.fused_moe_lora_reference`; y [T, H] in x.dtype."""
+    args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
+    if _kernel_covers(x, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2, kwargs.get("w13_bias"),
+                      kwargs.get("w2_bias")):
+        return fused_moe_lora_triton(*args, **kwargs)
     return fused_moe_lora_reference(*args, **kwargs)
 
 
-def lora_linear_cuda(*args, **kwargs):
-    return lora_linear_reference(*args, **kwargs)
+def lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, *, bias=None):
+    """Same signature and result as :func:`.reference.lora_linear_reference`; y [T, out] in x.dtype."""
+    if _kernel_covers(x, weight, lora_a, lora_b, bias):
+        return lora_linear_triton(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)
+    return lora_linear_reference(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)

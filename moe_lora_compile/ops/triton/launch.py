@@ -1,0 +1,197 @@
+"""Host launchers of the Triton kernels: buffers, grids, config choice. No host sync; same results on any device
+Triton runs on (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
+
+``fused_moe_lora_triton`` launches, for one MoE layer: routing (4 small launches; none in per-pair mode),
+shrink13 (x A13^T), w13 (grouped GEMM + LoRA expand + bias + activation [+ shrink2 fused, config
+``fuse_shrink2``, default in per-pair mode]), shrink2 (act A2^T, unless fused), w2 (grouped
+GEMM + LoRA expand + bias, times routing weight, one row per pair) and the top-k sum.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_interleaved, is_transposed
+from . import moe_kernels as K
+from .configs import get_config
+from .routing import sort_pairs
+
+_ACTIVATION_IDS = {"silu": K.SILU, "gptoss_swiglu": K.GPTOSS_SWIGLU}
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _tile(block: int, dim: int) -> int:
+    """A block size no larger than the padded dim (tl.dot needs >= 16)."""
+    return max(16, min(block, triton.next_power_of_2(dim)))
+
+
+def _block_r(R: int) -> int:
+    return max(16, triton.next_power_of_2(R))
+
+
+def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_k, mode, block_m,
+                   input_by_token, scale_by_weight, cfg, dtype):
+    """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten)."""
+    row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
+    block_k = _tile(cfg["BLOCK_K"], K_dim)
+    split_k = max(1, min(cfg["SPLIT_K"], triton.cdiv(K_dim, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(K_dim, split_k), block_k) * block_k
+    split_k = triton.cdiv(K_dim, k_per_split)
+    s = torch.empty((split_k, grid_m * block_m, R), dtype=torch.float32, device=inp.device)
+    K.lora_shrink_kernel[(grid_m, split_k)](
+        inp, inp.stride(0), a, a.stride(0), a.stride(1), a.stride(2), s, topk_weights, token_lora_ids,
+        row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m, K_dim, R, top_k, k_per_split,
+        BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
+        SCALE_BY_WEIGHT=scale_by_weight,
+        EVEN_K=K_dim % k_per_split == 0 and k_per_split % block_k == 0,
+        DOT_PRECISION=_dot_precision(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return s
+
+
+def fused_moe_lora_triton(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, token_lora_ids: Tensor, w13: Tensor, w2: Tensor,
+    lora_a13: Tensor, lora_b13: Tensor, lora_a2: Tensor, lora_b2: Tensor, *,
+    w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = "concat",
+    activation: str = "silu", alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT,
+    routing_weight_on_input: bool = False, config: Optional[dict] = None,
+) -> Tensor:
+    """Same contract as :func:`..reference.fused_moe_lora_reference` (arguments already checked); y [T, H] x.dtype.
+
+    ``config`` overrides the tuned/heuristic config (see :mod:`.configs`)."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    E = w13.shape[0]
+    L, R = lora_a13.shape[0], lora_a13.shape[2]
+    I = w2.shape[1] if is_transposed(layout) else w2.shape[2]
+    if T == 0:
+        return x.new_empty((0, H))
+    cfg = config or get_config(x.device, E, H, I, R, T, top_k)
+    block_m = 16 if cfg["per_pair"] else cfg["BLOCK_M"]
+    num_pairs = T * top_k
+    x = x.contiguous()
+    topk_flat = topk_ids.reshape(-1).contiguous()
+    weights_flat = topk_weights.reshape(-1).contiguous()
+    token_lora_ids = token_lora_ids.contiguous()
+    a13, b13, a2, b2 = (_last_dim_contiguous(t) for t in (lora_a13, lora_b13, lora_a2, lora_b2))
+    if cfg["per_pair"]:
+        mode, grid_m = K.PER_PAIR, num_pairs
+        row_pair = block_expert = num_blocks = topk_flat  # unused in this mode
+    else:
+        routing = sort_pairs(topk_ids, token_lora_ids, E, L, block_m)
+        mode, grid_m = K.SORTED, routing.grid_m
+        row_pair, block_expert, num_blocks = routing.row_pair, routing.block_expert, routing.num_blocks
+    meta = (row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m)
+    rows = grid_m * block_m
+    block_r = _block_r(R)
+    act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
+    dot_precision = _dot_precision(x.dtype)
+
+    s13 = _launch_shrink(x, a13, weights_flat, token_lora_ids, meta, K_dim=H, R=R, top_k=top_k, mode=mode,
+                         block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
+                         cfg=cfg["shrink"], dtype=x.dtype)
+
+    c = cfg["w13"]
+    block_n, block_k = _tile(c["BLOCK_N"], I), _tile(c["BLOCK_K"], H)
+    if is_transposed(layout):  # [E, H, 2I]: element (e, k, n)
+        w13_strides = (w13.stride(0), w13.stride(1), w13.stride(2))
+    else:  # [E, 2I, H]
+        w13_strides = (w13.stride(0), w13.stride(2), w13.stride(1))
+    bias13 = w13_bias if w13_bias is not None else x
+    fuse_shrink2 = cfg.get("fuse_shrink2", cfg["per_pair"])
+    if fuse_shrink2:  # shrink2 in w13's epilogue: one rank-vector slice per I column tile
+        s2 = torch.empty((triton.cdiv(I, block_n), rows, R), dtype=torch.float32, device=x.device)
+    else:
+        s2 = s13  # placeholder; the shrink2 launch below makes the real one
+    K.moe_w13_kernel[(grid_m * triton.cdiv(I, block_n),)](
+        x, x.stride(0), w13, *w13_strides, bias13, bias13.stride(0),
+        b13, b13.stride(0), b13.stride(1), b13.stride(2), s13, s13.shape[0], s13.stride(0), act, weights_flat,
+        token_lora_ids,
+        row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, H, I, R, top_k, float(alpha), float(limit),
+        a2, a2.stride(0), a2.stride(1), a2.stride(2), s2, s2.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, GROUP_SIZE_M=c["GROUP_SIZE_M"],
+        MODE=mode, INTERLEAVED=is_interleaved(layout), HAS_BIAS=w13_bias is not None,
+        ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
+        EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+
+    if not fuse_shrink2:
+        s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R, top_k=top_k, mode=mode,
+                            block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg["shrink"],
+                            dtype=x.dtype)
+
+    c = cfg["w2"]
+    block_n, block_k = _tile(c["BLOCK_N"], H), _tile(c["BLOCK_K"], I)
+    if is_transposed(layout):  # [E, I, H]
+        w2_strides = (w2.stride(0), w2.stride(1), w2.stride(2))
+    else:  # [E, H, I]
+        w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))
+    bias2 = w2_bias if w2_bias is not None else x
+    K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n),)](
+        act, act.stride(0), w2, *w2_strides, bias2, bias2.stride(0),
+        b2, b2.stride(0), b2.stride(1), b2.stride(2), s2, s2.shape[0], s2.stride(0), out, out.stride(0), weights_flat,
+        token_lora_ids,
+        row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, I, H, R, top_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, GROUP_SIZE_M=c["GROUP_SIZE_M"],
+        MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
+        EVEN_K=I % block_k == 0, EVEN_N=H % block_n == 0, DOT_PRECISION=dot_precision,
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if top_k == 1:
+        return out
+    return out.view(T, top_k, H).sum(dim=1)
+
+
+def default_linear_config(T: int) -> dict:
+    small = T <= 64
+    return {"BLOCK_M": 16 if small else 64,
+            "gemm": {"BLOCK_N": 64, "BLOCK_K": 128 if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
+                     "num_stages": 4 if small else 3},
+            "shrink": {"BLOCK_K": 64, "SPLIT_K": 8 if small else 1, "num_warps": 4, "num_stages": 2}}
+
+
+def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, *,
+                       bias: Optional[Tensor] = None, config: Optional[dict] = None) -> Tensor:
+    """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
+    -> y [T, out] in x.dtype. Two launches: shrink, then the GEMM with the expand in its epilogue."""
+    T, n_in = x.shape
+    n_out = weight.shape[0]
+    R = lora_a.shape[1]
+    if T == 0:
+        return x.new_empty((0, n_out))
+    cfg = config or default_linear_config(T)
+    block_m = cfg["BLOCK_M"]
+    grid_m = triton.cdiv(T, block_m)
+    x = x.contiguous()
+    token_lora_ids = token_lora_ids.contiguous()
+    a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
+    dummy = token_lora_ids
+    meta = (dummy, dummy, dummy, dummy, T, grid_m)
+    # lora_linear is the DENSE mode of the MoE kernels with one expert: A [L, 1, R, in] via a zero expert stride.
+    a_view = a.unsqueeze(1)
+    s = _launch_shrink(x, a_view, x, token_lora_ids, meta, K_dim=n_in, R=R, top_k=1, mode=K.DENSE, block_m=block_m,
+                       input_by_token=True, scale_by_weight=False, cfg=cfg["shrink"], dtype=x.dtype)
+    out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
+    c = cfg["gemm"]
+    block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
+    bias_t = bias if bias is not None else x
+    K.moe_w2_kernel[(grid_m * triton.cdiv(n_out, block_n),)](
+        x, x.stride(0), weight, 0, weight.stride(1), weight.stride(0), bias_t, 0,
+        b, b.stride(0), 0, b.stride(1), s, s.shape[0], s.stride(0), out, out.stride(0), x, token_lora_ids,
+        dummy, dummy, dummy, dummy, T, grid_m, n_in, n_out, R, 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c["GROUP_SIZE_M"],
+        MODE=K.DENSE, HAS_BIAS=bias is not None, WEIGHT_ON_OUTPUT=False,
+        EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out

@@ -1,0 +1,347 @@
+"""@triton.jit kernels of the fused MoE multi-LoRA layer (and of lora_linear, which is the same with E = k = 1).
+
+Rows: the kernels work on blocks of BLOCK_M rows; each block belongs to one expert. Row ``pid_m*BLOCK_M + m`` of
+the intermediate buffers (``act [rows, I]``, shrink outputs ``s [rows, R]`` fp32) holds (token, slot) pair
+``pair[m]`` (-1 = padding). Three row modes (constexpr ``MODE``):
+
+- ``SORTED``: pairs grouped per expert by :mod:`.routing` (``row_pair``, ``block_expert``, ``num_blocks``);
+- ``PER_PAIR``: one pair per block (row 0), no routing at all: for tiny batches;
+- ``DENSE``: block ``b`` holds pairs ``[b*BM, (b+1)*BM)`` and expert 0 (``lora_linear``).
+
+LoRA: a block may hold rows of several adapters. The expand loops over the distinct adapter slots present in the
+block (data, not a Python branch): rows of other slots and of id -1 are zeroed before the small ``tl.dot``, so
+a block with no LoRA row does no LoRA work. Each row's rank vector is computed once by the shrink kernel
+(split-K over the input dim, one fp32 slice per split, summed by the consumer while loading).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+SORTED = 0
+PER_PAIR = 1
+DENSE = 2
+SILU = 0
+GPTOSS_SWIGLU = 1
+_NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions (a constexpr: jit code reads it)
+
+
+@triton.jit
+def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
+                BLOCK_M: tl.constexpr, MODE: tl.constexpr):
+    """-> (pair [BLOCK_M] int32, -1 = padding; the block's expert, int64 scalar)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if MODE == 0:
+        pair = tl.load(row_pair_ptr + pid_m * BLOCK_M + offs_m)
+        expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    elif MODE == 1:
+        pair = tl.where(offs_m == 0, pid_m, -1)
+        expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
+    else:
+        rows = pid_m * BLOCK_M + offs_m
+        pair = tl.where(rows < num_pairs, rows, -1)
+        expert = tl.full([], 0, tl.int64)
+    return pair.to(tl.int32), expert
+
+
+@triton.jit
+def _slot_range(lora, has_lora):
+    """Smallest and largest adapter slot among the rows with LoRA (first > last when there is none)."""
+    first = tl.min(tl.where(has_lora, lora, _NO_SLOT), axis=0)
+    last = tl.max(tl.where(has_lora, lora, -1), axis=0)
+    return first, last
+
+
+@triton.jit
+def _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R: tl.constexpr):
+    """Sum of the shrink's split-K slices for these rows -> [BLOCK_M, BLOCK_R] fp32 (zero where no LoRA)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    ptrs = s_ptr + rows.to(tl.int64)[:, None] * R + offs_r[None, :]
+    mask = has_lora[:, None] & (offs_r < R)[None, :]
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    for split in range(1, num_splits):
+        s += tl.load(ptrs + split * split_stride, mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
+def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """sum over slots l in the block of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N] fp32.
+
+    s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N]."""
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    slot, last = _slot_range(lora, has_lora)
+    while slot <= last:
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask, other=0.0)
+        s_slot = tl.where((has_lora & (lora == slot))[:, None], s, 0.0).to(b.dtype)
+        delta += tl.dot(s_slot, b, input_precision=DOT_PRECISION)
+        slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
+    return delta
+
+
+@triton.jit
+def _expert_gemm(a_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """sum over K of a [BLOCK_M, BLOCK_K] tiles (row stride given, k contiguous) @ w [BLOCK_K, BLOCK_N] tiles
+    -> [BLOCK_M, BLOCK_N] fp32. ``n_mask`` masks the columns when not EVEN_N."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_pairs", "grid_m"])
+def lora_shrink_kernel(
+    in_ptr, stride_in, a_ptr, stride_al, stride_ae, stride_ar, s_ptr, topk_weights_ptr, token_lora_ptr,
+    row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, R, top_k, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+    INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
+    fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
+    Rows without LoRA are not written and never read. Grid (grid_m, SPLIT_K). A [L, E, R, K]."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if MODE == 0:
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
+    pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
+    valid = pair >= 0
+    token = tl.where(valid, pair // top_k, 0)
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    has_lora = valid & (lora >= 0)
+    slot, last = _slot_range(lora, has_lora)
+    if slot > last:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = pid_m * BLOCK_M + offs_m
+    if INPUT_BY_TOKEN:
+        in_rows = token.to(tl.int64)
+    else:
+        in_rows = rows.to(tl.int64)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    in_ptrs = in_ptr + in_rows[:, None] * stride_in + offs_k[None, :]
+    a_offs = expert * stride_ae + offs_r[None, :] * stride_ar + offs_k[:, None]
+    r_mask = offs_r[None, :] < R
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    while slot <= last:
+        a_slot_ptr = a_ptr + slot.to(tl.int64) * stride_al + a_offs
+        part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(in_ptrs + k0)
+                a = tl.load(a_slot_ptr + k0, mask=r_mask, other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < k_end
+                x = tl.load(in_ptrs + k0, mask=k_mask[None, :], other=0.0)
+                a = tl.load(a_slot_ptr + k0, mask=r_mask & k_mask[:, None], other=0.0)
+            part += tl.dot(x, a, input_precision=DOT_PRECISION)
+        acc += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
+        slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
+    if SCALE_BY_WEIGHT:
+        weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+    s_ptrs = s_ptr + pid_k.to(tl.int64) * grid_m * BLOCK_M * R + rows[:, None].to(tl.int64) * R + offs_r[None, :]
+    tl.store(s_ptrs, acc, mask=has_lora[:, None] & r_mask)
+
+
+@triton.jit
+def _swizzle(pid, grid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
+    """Program id -> (pid_m, pid_n), walking GROUP_SIZE_M row blocks per column sweep (L2 reuse of weights)."""
+    num_pid_in_group = GROUP_SIZE_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_SIZE_M
+    group_size_m = tl.minimum(grid_m - first_pid_m, GROUP_SIZE_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit(do_not_specialize=["num_pairs", "grid_m"])
+def moe_w13_kernel(
+    x_ptr, stride_xt, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
+    b_ptr, stride_bl, stride_be, stride_bn, s_ptr, num_splits, split_stride, act_ptr, topk_weights_ptr, token_lora_ptr,
+    row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, I, R, top_k, alpha, limit,
+    a2_ptr, stride_a2l, stride_a2e, stride_a2r, s2_ptr, s2_split_stride,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr,
+):
+    """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
+    BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
+    (interleaved: one contiguous 2*BLOCK_N tile, split in registers).
+    W13 element (e, k, n) at e*stride_we + k*stride_wk + n*stride_wn (both layouts). With FUSE_SHRINK2 it also
+    writes the w2 shrink's partial rank vectors of its column tile to ``s2 [cdiv(I, BLOCK_N), rows, R]`` (A2
+    [L, E, R, I]); worth it for small batches (per-pair mode), where it saves a launch."""
+    pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(I, BLOCK_N), GROUP_SIZE_M)
+    if MODE == 0:
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
+    pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
+    valid = pair >= 0
+    token = tl.where(valid, pair // top_k, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_mask = offs_j < I
+    x_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
+    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    has_lora = valid & (lora >= 0)
+    rows = pid_m * BLOCK_M + offs_m
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
+    b_base = expert * stride_be + offs_r[:, None]
+    if WEIGHT_ON_INPUT:
+        weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        # One contiguous tile of 2*BLOCK_N columns (gate, up, gate, up, ...), split after the epilogue adds.
+        cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        col_mask = cols < 2 * I
+        h = _expert_gemm(x_ptrs, w_base + cols[None, :] * stride_wn, K, stride_wk, col_mask,
+                         BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+        if WEIGHT_ON_INPUT:
+            h = h * weight[:, None]
+        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + cols[None, :] * stride_bn,
+                          r_mask[:, None] & col_mask[None, :], BLOCK_M, 2 * BLOCK_N, DOT_PRECISION)
+        if HAS_BIAS:
+            h += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        gate_cols = offs_j
+        up_cols = offs_j + I
+        wg_ptrs = w_base + gate_cols[None, :] * stride_wn
+        wu_ptrs = w_base + up_cols[None, :] * stride_wn
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+                if EVEN_N:
+                    wg = tl.load(wg_ptrs)
+                    wu = tl.load(wu_ptrs)
+                else:
+                    wg = tl.load(wg_ptrs, mask=j_mask[None, :], other=0.0)
+                    wu = tl.load(wu_ptrs, mask=j_mask[None, :], other=0.0)
+            else:
+                k_mask = (k0 + offs_k) < K
+                x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+            gate += tl.dot(x, wg, input_precision=DOT_PRECISION)
+            up += tl.dot(x, wu, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+        if WEIGHT_ON_INPUT:  # s13 already carries the routing weight when it is on the input
+            gate = gate * weight[:, None]
+            up = up * weight[:, None]
+        # LoRA delta before the activation.
+        b_mask = r_mask[:, None] & j_mask[None, :]
+        gate += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + gate_cols[None, :] * stride_bn, b_mask,
+                             BLOCK_M, BLOCK_N, DOT_PRECISION)
+        up += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + up_cols[None, :] * stride_bn, b_mask,
+                           BLOCK_M, BLOCK_N, DOT_PRECISION)
+        if HAS_BIAS:
+            gate += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=j_mask,
+                            other=0.0).to(tl.float32)[None, :]
+            up += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 0:
+        act = gate * tl.sigmoid(gate) * up
+    else:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
+    act = act.to(act_ptr.dtype.element_ty)
+    act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * I + offs_j[None, :]
+    if EVEN_N:
+        tl.store(act_ptrs, act)
+    else:
+        tl.store(act_ptrs, act, mask=j_mask[None, :])
+    if FUSE_SHRINK2:
+        # The w2 LoRA shrink for this tile's I columns: s2[pid_n] = act[:, j tile] A2[l, e, :, j tile]^T, one slice
+        # per column tile (the w2 kernel sums them), instead of a separate shrink launch.
+        s2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        a2_offs = expert * stride_a2e + offs_r[None, :] * stride_a2r + offs_j[:, None]
+        a2_mask = j_mask[:, None] & r_mask[None, :]
+        slot, last = _slot_range(lora, has_lora)
+        while slot <= last:
+            a2 = tl.load(a2_ptr + slot.to(tl.int64) * stride_a2l + a2_offs, mask=a2_mask, other=0.0)
+            part = tl.dot(act, a2, input_precision=DOT_PRECISION)
+            s2 += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
+            slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
+        s2_ptrs = s2_ptr + pid_n.to(tl.int64) * s2_split_stride + rows.to(tl.int64)[:, None] * R + offs_r[None, :]
+        tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "grid_m"])
+def moe_w2_kernel(
+    in_ptr, stride_in, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
+    b_ptr, stride_bl, stride_be, stride_bn, s_ptr, num_splits, split_stride, out_ptr, stride_out, topk_weights_ptr,
+    token_lora_ptr,
+    row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, N, R, top_k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_OUTPUT: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM (and lora_linear).
+
+    ``in`` rows are block rows (act), or tokens in DENSE mode; W element (e, k, n) at e*stride_we + k*stride_wk +
+    n*stride_wn; B element (l, e, n, r) at l*stride_bl + e*stride_be + n*stride_bn + r."""
+    pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
+    if MODE == 0:
+        if pid_m >= tl.load(num_blocks_ptr):
+            return
+    pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
+    valid = pair >= 0
+    token = tl.where(valid, pair // top_k, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = pid_m * BLOCK_M + offs_m
+    if MODE == 2:
+        in_rows = tl.where(valid, rows, 0).to(tl.int64)
+    else:
+        in_rows = rows.to(tl.int64)
+    in_ptrs = in_ptr + in_rows[:, None] * stride_in + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    acc = _expert_gemm(in_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                       DOT_PRECISION)
+
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    has_lora = valid & (lora >= 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
+    b_offs = expert * stride_be + offs_r[:, None] + offs_n[None, :] * stride_bn
+    acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, r_mask[:, None] & n_mask[None, :],
+                        BLOCK_M, BLOCK_N, DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if WEIGHT_ON_OUTPUT:
+        weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])

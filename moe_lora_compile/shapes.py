@@ -1,0 +1,58 @@
+"""Model geometries and the benchmark grid: the one place for these numbers (from the models' public config.json).
+
+H hidden, I expert intermediate, E routed experts, k experts per token. Layout and activation names are those of
+:mod:`moe_lora_compile.ops.contract`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoEGeometry:
+    """One MoE layer's shape: ``w13`` holds ``2I`` gate/up rows of width ``H``; ``w2`` maps ``I`` back to ``H``."""
+
+    name: str
+    H: int
+    I: int
+    E: int
+    k: int
+    layers: int
+    layout: str
+    activation: str
+    bias: bool
+
+
+@dataclass(frozen=True)
+class BenchmarkGrid:
+    """Token counts, adapter-slot counts, slot ranks and fractions of tokens without an adapter (id -1)."""
+
+    tokens: tuple[int, ...]
+    adapters: tuple[int, ...]
+    ranks: tuple[int, ...]
+    no_lora_fraction: tuple[float, ...]
+
+
+GPT_OSS_20B = MoEGeometry("gpt-oss-20b", H=2880, I=2880, E=32, k=4, layers=24,
+                          layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
+QWEN3_30B_A3B = MoEGeometry("qwen3-30b-a3b", H=2048, I=768, E=128, k=8, layers=48,
+                            layout="concat", activation="silu", bias=False)
+MIXTRAL_8X7B = MoEGeometry("mixtral-8x7b", H=4096, I=14336, E=8, k=2, layers=32,
+                           layout="concat", activation="silu", bias=False)
+
+MODELS: dict[str, MoEGeometry] = {m.name: m for m in (GPT_OSS_20B, QWEN3_30B_A3B, MIXTRAL_8X7B)}
+
+BENCHMARK_GRID = BenchmarkGrid(
+    tokens=(1, 2, 4, 8, 16, 32, 64, 128, 512, 2048),
+    adapters=(1, 4, 16),
+    ranks=(16, 32, 64),
+    no_lora_fraction=(0.0, 0.5),
+)
+
+
+def get_model(name: str) -> MoEGeometry:
+    """Geometry by name (``gpt-oss-20b``, ``qwen3-30b-a3b``, ``mixtral-8x7b``); ValueError names the choices."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {name!r}")
+    return MODELS[name]

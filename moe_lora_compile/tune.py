@@ -1,0 +1,144 @@
+"""Tune the fused MoE multi-LoRA kernels for one model on this GPU and write the configs JSON.
+
+    python -m moe_lora_compile.tune --model qwen3-30b-a3b --tokens 1 8 32 128 512 2048 --ranks 16 \
+        [--out moe_lora_compile/configs/NVIDIA_H200.json]
+
+Coordinate descent from the heuristic default (:func:`.ops.triton.configs.default_config`): routing mode and
+BLOCK_M, whether the w2 shrink is fused into w13, then the w13 tiles, the w2 tiles, then the shrink's split-K; each candidate is timed as the median of
+``triton.testing.do_bench`` over a CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an
+adapter). Entries are merged into the output file under the GPU name and ``E=..,H=..,I=..,R=..`` shape key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import pathlib
+import time
+
+import torch
+import triton
+
+from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
+from .ops.triton.launch import fused_moe_lora_triton
+from .shapes import MODELS, MoEGeometry
+
+GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stages": ((4, 3), (4, 4), (8, 3), (4, 2)),
+                "GROUP_SIZE_M": (1, 8)}
+SPLIT_K_CHOICES = (1, 4, 8, 16)
+
+
+def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
+    transposed = g.layout != "concat"
+    w13 = rnd(g.E, g.H, 2 * g.I) if transposed else rnd(g.E, 2 * g.I, g.H)
+    w2 = rnd(g.E, g.I, g.H) if transposed else rnd(g.E, g.H, g.I)
+    lora = (rnd(L, g.E, R, g.H), rnd(L, g.E, 2 * g.I, R), rnd(L, g.E, R, g.I), rnd(L, g.E, g.H, R))
+    x = rnd(T, g.H) * 20
+    weights, ids = torch.topk(torch.rand(T, g.E, device="cuda", generator=gen), g.k, dim=-1)
+    lora_ids = torch.randint(0, L, (T,), device="cuda", generator=gen, dtype=torch.int32)
+    bias = dict(w13_bias=rnd(g.E, 2 * g.I), w2_bias=rnd(g.E, g.H)) if g.bias else {}
+    return (x, ids.to(torch.int32), weights.to(torch.bfloat16), lora_ids, w13, w2, *lora), dict(
+        layout=g.layout, activation=g.activation, **bias)
+
+
+def _time(args_sets, cfg) -> float:
+    """us per layer call, median over CUDA-graph replays of one call per input set."""
+    calls = [lambda a=a, kw=kw: fused_moe_lora_triton(*a, **kw, config=cfg) for a, kw in args_sets]
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=3, rep=20, return_mode="median")
+    return ms * 1e3 / len(calls)
+
+
+GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.GROUP_SIZE_M",
+          "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "shrink.SPLIT_K")
+
+
+def _candidates(cfg: dict, T: int, g: MoEGeometry, group: str):
+    """Variants of ``cfg`` along one coordinate ``group``."""
+    if group == "mode":
+        pairs = T * g.k
+        if pairs <= 64:
+            yield dict(copy.deepcopy(cfg), per_pair=True, BLOCK_M=16)
+        for bm in (16, 32, 64, 128):
+            if bm == 16 or pairs / g.E >= bm / 4:
+                yield dict(copy.deepcopy(cfg), per_pair=False, BLOCK_M=bm)
+        return
+    if group == "fuse_shrink2":
+        yield dict(copy.deepcopy(cfg), fuse_shrink2=not cfg.get("fuse_shrink2", cfg["per_pair"]))
+        return
+    if group == "shrink.SPLIT_K":
+        for split in SPLIT_K_CHOICES:
+            c = copy.deepcopy(cfg)
+            c["shrink"]["SPLIT_K"] = split
+            yield c
+        return
+    kernel, key = group.split(".")
+    for value in GEMM_CHOICES[key]:
+        c = copy.deepcopy(cfg)
+        if key == "warps_stages":
+            c[kernel]["num_warps"], c[kernel]["num_stages"] = value
+        else:
+            c[kernel][key] = value
+        yield c
+
+
+def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4) -> tuple[dict, float, float]:
+    """-> (best config, its us, the default's us) for T tokens, rank R."""
+    args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
+    best = default_config(g.E, g.H, g.I, R, T, g.k)
+    best_us = default_us = _time(args_sets, best)
+    for group in GROUPS:  # coordinate descent: each group varies the best config so far
+        for cfg in _candidates(best, T, g, group):
+            if cfg == best:
+                continue
+            try:
+                us = _time(args_sets, cfg)
+            except Exception as exc:  # e.g. out of shared memory for a tile/stage combination
+                print(f"    {group}: skipped ({type(exc).__name__})", flush=True)
+                continue
+            if us < best_us:
+                best, best_us = cfg, us
+                print(f"    {group}: {us:.1f} us (better)", flush=True)
+    return best, best_us, default_us
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True, choices=sorted(MODELS))
+    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048])
+    p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--out", help="JSON file to merge into (default: the package's file for this GPU)")
+    a = p.parse_args(argv)
+    g = MODELS[a.model]
+    device = torch.device("cuda")
+    name = device_name(device)
+    out = pathlib.Path(a.out) if a.out else CONFIG_DIR / gpu_file_name(name)
+    table = json.loads(out.read_text()) if out.exists() else {}
+    total = len(a.tokens) * len(a.ranks)
+    step = 0
+    for R in a.ranks:
+        entries = table.setdefault(shape_key(g.E, g.H, g.I, R), {})
+        for T in a.tokens:
+            step += 1
+            t0 = time.time()
+            print(f"[{step}/{total}] {name} {g.name} T={T} R={R}", flush=True)
+            cfg, us, default_us = tune_one(g, T, R)
+            entries[str(T)] = cfg
+            print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us (default {default_us:.1f} us) "
+                  f"in {time.time() - t0:.0f} s: {json.dumps(cfg)}", flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""The Triton kernels of ``fused_moe_lora`` and ``lora_linear`` against a float64 per-token loop written here.
+
+CPU: the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` from conftest) in float32 at tiny shapes with
+16-wide blocks (the interpreter's bf16 is wrong, see FACTS.md). GPU (``-m gpu``): bf16 at the real shapes of
+:mod:`moe_lora_compile.shapes`, the op through ``torch.ops``, opcheck, and no Triton recompile for a new T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import pytest
+import torch
+
+from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton
+from moe_lora_compile.ops.triton.routing import max_blocks, sort_pairs
+from moe_lora_compile.shapes import GPT_OSS_20B, QWEN3_30B_A3B
+
+ALPHA, LIMIT = 1.702, 7.0
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Tiny tiles for the interpreter (about 5 ms per tl.dot step there).
+_GEMM = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 1}
+_SHRINK = {"BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
+
+
+def tiny_config(per_pair: bool, fuse_shrink2: bool = False) -> dict:
+    return {"per_pair": per_pair, "fuse_shrink2": fuse_shrink2, "BLOCK_M": 16, "w13": dict(_GEMM), "w2": dict(_GEMM),
+            "shrink": dict(_SHRINK)}
+
+
+PATHS = [
+    pytest.param((False, False), id="sorted"),           # routed blocks per expert/slot, separate w2 shrink
+    pytest.param((True, True), id="per-pair-fused"),     # one pair per block, w2 shrink fused into w13
+    pytest.param((False, True), id="sorted-fused"),      # routed blocks, w2 shrink fused into w13
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float64 per-token reference (independent of moe_lora_compile.ops.reference)
+# ----------------------------------------------------------------------------------------------------------------
+
+def loop_reference(x, topk_ids, topk_weights, lora_ids, w13, w2, a13, b13, a2, b2, *, w13_bias=None, w2_bias=None,
+                   layout="concat", activation="silu", alpha=ALPHA, limit=LIMIT, on_input=False):
+    """y [T, H] float64, one token and one routed expert at a time."""
+    d = torch.float64
+    x, w13, w2, a13, b13, a2, b2 = (t.to(d) for t in (x, w13, w2, a13, b13, a2, b2))
+    T, H = x.shape
+    transposed = layout != "concat"
+    I = w2.shape[1] if transposed else w2.shape[2]
+    y = torch.zeros(T, H, dtype=d)
+    for t in range(T):
+        slot = int(lora_ids[t])
+        for j in range(topk_ids.shape[1]):
+            e, wt = int(topk_ids[t, j]), float(topk_weights[t, j])
+            xin = x[t] * wt if on_input else x[t]
+            h = (w13[e].T if transposed else w13[e]) @ xin  # [2I]
+            if slot >= 0:
+                h = h + b13[slot, e] @ (a13[slot, e] @ xin)
+            if w13_bias is not None:
+                h = h + w13_bias[e].to(d)
+            gate, up = (h[0::2], h[1::2]) if layout == "transposed_interleaved" else (h[:I], h[I:])
+            if activation == "silu":
+                act = gate / (1 + torch.exp(-gate)) * up
+            else:
+                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+                act = (up + 1) * gate / (1 + torch.exp(-alpha * gate))
+            o = (w2[e].T if transposed else w2[e]) @ act  # [H]
+            if slot >= 0:
+                o = o + b2[slot, e] @ (a2[slot, e] @ act)
+            if w2_bias is not None:
+                o = o + w2_bias[e].to(d)
+            y[t] += o if on_input else o * wt
+    return y
+
+
+def expert_loop_reference(x, topk_ids, topk_weights, lora_ids, w13, w2, a13, b13, a2, b2, *, w13_bias=None,
+                          w2_bias=None, layout="concat", activation="silu", alpha=ALPHA, limit=LIMIT,
+                          routing_weight_on_input=False):
+    """float32 reference for real shapes on the GPU: one expert (and adapter slot) at a time -> y [T, H] fp32."""
+    f = torch.float32
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    transposed = layout != "concat"
+    I = w2.shape[1] if transposed else w2.shape[2]
+    experts = topk_ids.reshape(-1).long()
+    tokens = torch.arange(T, device=x.device).repeat_interleave(k)
+    slots = lora_ids.long().repeat_interleave(k)
+    weights = topk_weights.reshape(-1).to(f)
+    out = torch.zeros(T * k, H, dtype=f, device=x.device)
+    for e in torch.unique(experts).tolist():
+        sel = (experts == e).nonzero().squeeze(1)
+        xin = x[tokens[sel]].to(f)
+        if routing_weight_on_input:
+            xin = xin * weights[sel, None]
+        w13e = w13[e].to(f) if transposed else w13[e].to(f).T  # [H, 2I]
+        h = xin @ w13e
+        for slot in torch.unique(slots[sel]).tolist():
+            if slot >= 0:
+                m = slots[sel] == slot
+                h[m] += (xin[m] @ a13[slot, e].to(f).T) @ b13[slot, e].to(f).T
+        if w13_bias is not None:
+            h += w13_bias[e].to(f)
+        gate, up = (h[:, 0::2], h[:, 1::2]) if layout == "transposed_interleaved" else (h[:, :I], h[:, I:])
+        if activation == "silu":
+            act = torch.nn.functional.silu(gate) * up
+        else:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+            act = (up + 1) * gate * torch.sigmoid(alpha * gate)
+        o = act @ (w2[e].to(f) if transposed else w2[e].to(f).T)
+        for slot in torch.unique(slots[sel]).tolist():
+            if slot >= 0:
+                m = slots[sel] == slot
+                o[m] += (act[m] @ a2[slot, e].to(f).T) @ b2[slot, e].to(f).T
+        if w2_bias is not None:
+            o += w2_bias[e].to(f)
+        out[sel] = o if routing_weight_on_input else o * weights[sel, None]
+    return out.view(T, k, H).sum(1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# cases
+# ----------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    T: int = 5
+    H: int = 32
+    I: int = 16
+    E: int = 4
+    k: int = 2
+    L: int = 2
+    R: int = 16
+    layout: str = "concat"
+    activation: str = "silu"
+    bias: bool = False
+    on_input: bool = False
+    experts: Optional[tuple] = None  # experts topk_ids draws from (default: all)
+    lora: str = "random"  # "random" | "none" (all -1) | "mixed" (every other token -1)
+    adapter_ranks: Optional[tuple] = None  # true rank per slot, zero-padded to R
+    limit: float = LIMIT
+
+
+def make_inputs(c: Case, dtype=torch.float32, device=DEVICE, scale=1.0):
+    """Random layer, routing and adapters for case ``c``; std of h and y about 1."""
+    g = torch.Generator().manual_seed(1234)
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(*shape, generator=g) * std * scale).to(dtype).to(device)
+
+    pool = torch.tensor(c.experts if c.experts is not None else range(c.E))
+    choice = torch.stack([torch.randperm(len(pool), generator=g)[: c.k] for _ in range(c.T)]) if len(pool) >= c.k \
+        else torch.zeros(c.T, c.k, dtype=torch.long)
+    topk_ids = pool[choice].to(torch.int32).to(device)
+    topk_weights = torch.rand(c.T, c.k, generator=g).to(dtype).to(device)
+    lora_ids = torch.randint(0, c.L, (c.T,), generator=g).to(torch.int32)
+    if c.lora == "none":
+        lora_ids[:] = -1
+    elif c.lora == "mixed":
+        lora_ids[::2] = -1
+    two_i = 2 * c.I
+    if c.layout == "concat":
+        w13, w2 = rnd(c.E, two_i, c.H, std=c.H ** -0.5), rnd(c.E, c.H, c.I, std=c.I ** -0.5)
+    else:
+        w13, w2 = rnd(c.E, c.H, two_i, std=c.H ** -0.5), rnd(c.E, c.I, c.H, std=c.I ** -0.5)
+    a13, b13 = rnd(c.L, c.E, c.R, c.H, std=c.H ** -0.5), rnd(c.L, c.E, two_i, c.R, std=c.R ** -0.5)
+    a2, b2 = rnd(c.L, c.E, c.R, c.I, std=c.I ** -0.5), rnd(c.L, c.E, c.H, c.R, std=c.R ** -0.5)
+    if c.adapter_ranks is not None:  # slot l has true rank r_l: rows of A / columns of B past r_l are zero
+        for slot, r in enumerate(c.adapter_ranks):
+            for t in (a13, a2):
+                t[slot, :, r:, :] = 0
+            for t in (b13, b2):
+                t[slot, :, :, r:] = 0
+    kwargs = dict(layout=c.layout, activation=c.activation, limit=c.limit, routing_weight_on_input=c.on_input)
+    if c.bias:
+        kwargs.update(w13_bias=rnd(c.E, two_i, std=0.5), w2_bias=rnd(c.E, c.H, std=0.5))
+    x = rnd(c.T, c.H)
+    return (x, topk_ids, topk_weights, lora_ids.to(device), w13, w2, a13, b13, a2, b2), kwargs
+
+
+def reference_of(args, kwargs):
+    kw = dict(kwargs)
+    on_input = kw.pop("routing_weight_on_input")
+    return loop_reference(*(a.cpu() for a in args), **{k: (v.cpu() if torch.is_tensor(v) else v)
+                                                        for k, v in kw.items()}, on_input=on_input)
+
+
+CASES = [
+    # T=1 decode, one adapter slot, k=1
+    pytest.param(Case(T=1, k=1, L=1), id="T1-k1-L1"),
+    # several tokens, k>1, L>1, random slots (every token has an adapter)
+    pytest.param(Case(T=6, k=2, L=3), id="k2-L3"),
+    # experts 1 and 3 receive no pair (empty experts)
+    pytest.param(Case(T=5, E=6, experts=(0, 2, 4, 5)), id="empty-experts"),
+    # every pair on expert 2 (k=1), 20 pairs > BLOCK_M: two blocks of one expert
+    pytest.param(Case(T=20, k=1, E=4, experts=(2,)), id="one-expert-two-blocks"),
+    # no token has an adapter: all LoRA work skipped, base only
+    pytest.param(Case(T=5, lora="none"), id="all-minus-one"),
+    # every other token without adapter
+    pytest.param(Case(T=7, L=3, lora="mixed"), id="mixed-minus-one"),
+    # slot ranks 16 / 5 / 9 zero-padded to R=16
+    pytest.param(Case(T=6, L=3, adapter_ranks=(16, 5, 9)), id="mixed-ranks"),
+    # R=8 < 16: rank axis masked inside a 16-wide tile
+    pytest.param(Case(T=4, R=8), id="rank8-masked"),
+    # H and I not multiples of the 16-wide tiles: masked K and N paths
+    pytest.param(Case(T=4, H=40, I=24), id="uneven-K-N"),
+    # Llama-4: transposed concat, routing weight on the input
+    pytest.param(Case(T=5, layout="transposed_concat", on_input=True, lora="mixed"), id="llama4-on-input"),
+    # GPT-OSS: transposed interleaved, clamped swiglu (limit low enough to clamp), biases
+    pytest.param(Case(T=5, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True, limit=0.5),
+                 id="gptoss-bias-clamp"),
+    # concat layout with biases and the GPT-OSS activation
+    pytest.param(Case(T=3, bias=True, activation="gptoss_swiglu", lora="mixed"), id="concat-bias-swiglu"),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_lora_kernel_matches_loop(case, path):
+    """Both routing paths (sorted per expert/slot, one pair per block), w2 shrink fused or not, vs the loop."""
+    args, kwargs = make_inputs(case)
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path))
+    assert y.shape == (case.T, case.H) and y.dtype == torch.float32
+    torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+
+
+def test_int64_ids_and_empty_batch():
+    """int64 topk_ids / token_lora_ids give the int32 result; T=0 gives an empty [0, H] output."""
+    c = Case(T=4, lora="mixed")
+    args, kwargs = make_inputs(c)
+    y32 = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(False))
+    wide = list(args)
+    wide[1], wide[3] = args[1].long(), args[3].long()
+    y64 = fused_moe_lora_triton(*wide, **kwargs, config=tiny_config(False))
+    torch.testing.assert_close(y64, y32, rtol=0, atol=0)
+    empty = [args[0][:0], args[1][:0], args[2][:0], args[3][:0], *args[4:]]
+    assert fused_moe_lora_triton(*empty, **kwargs).shape == (0, c.H)
+
+
+def test_expert_loop_reference_matches_token_loop():
+    """The float32 per-expert reference used at real shapes on the GPU agrees with the float64 token loop."""
+    args, kwargs = make_inputs(Case(T=6, L=3, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True,
+                                    lora="mixed", limit=0.5))
+    torch.testing.assert_close(expert_loop_reference(*args, **kwargs).double(), reference_of(args, kwargs),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_lora_changes_the_output():
+    """Guard against a kernel that drops the LoRA delta: with vs without adapters must differ by the delta."""
+    c = Case(T=4, L=2)
+    args, kwargs = make_inputs(c)
+    no_lora = list(args)
+    no_lora[3] = torch.full_like(args[3], -1)
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(False))
+    y0 = fused_moe_lora_triton(*no_lora, **kwargs, config=tiny_config(False))
+    delta_ref = reference_of(args, kwargs) - reference_of(tuple(no_lora), kwargs)
+    assert delta_ref.abs().max() > 0.1
+    torch.testing.assert_close((y - y0).cpu().double(), delta_ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,k,E,L,block_m", [
+    (1, 1, 4, 1, 16),    # one pair
+    (9, 3, 5, 3, 16),    # several experts and slots, partial blocks
+    (40, 1, 2, 2, 16),   # 40 pairs on 2 experts: several blocks per expert
+])
+def test_routing_groups_pairs_per_expert_and_slot(T, k, E, L, block_m):
+    g = torch.Generator().manual_seed(T)
+    topk_ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    lora_ids = torch.randint(-1, L, (T,), generator=g, dtype=torch.int32)
+    r = sort_pairs(topk_ids, lora_ids, E, L, block_m)
+    num_blocks = int(r.num_blocks)
+    assert r.grid_m == max_blocks(T * k, E, block_m) >= num_blocks
+    rows = r.row_pair.view(r.grid_m, block_m)[:num_blocks]
+    real = rows[rows >= 0]
+    assert sorted(real.tolist()) == list(range(T * k))  # every pair exactly once
+    assert (r.row_pair.view(r.grid_m, block_m)[num_blocks:] == -1).all()
+    flat_experts = topk_ids.reshape(-1).long()
+    flat_slots = lora_ids.long().repeat_interleave(k)
+    expected_blocks = sum(-(-int((flat_experts == e).sum()) // block_m) for e in range(E))
+    assert num_blocks == expected_blocks
+    for b in range(num_blocks):
+        pairs = rows[b][rows[b] >= 0].long()
+        assert len(pairs) > 0
+        assert (flat_experts[pairs] == int(r.block_expert[b])).all()  # one expert per block
+    # inside an expert's rows, slots ascend (-1 first): few distinct slots per block
+    for e in range(E):
+        sel = r.block_expert[:num_blocks] == e
+        pairs = rows[sel].reshape(-1)
+        slots = flat_slots[pairs[pairs >= 0].long()]
+        assert (slots[1:] >= slots[:-1]).all()
+
+
+@pytest.mark.parametrize("T,n_in,n_out,lora,bias", [
+    (1, 32, 16, "random", False),   # one token
+    (19, 32, 48, "mixed", True),    # two row blocks, every other token -1, bias
+    (5, 40, 24, "random", False),   # in/out not multiples of 16: masked K and N
+    (6, 32, 16, "none", True),      # all -1: base linear + bias only
+])
+def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias):
+    g = torch.Generator().manual_seed(7)
+    L, R = 3, 8
+    x = torch.randn(T, n_in, generator=g)
+    weight = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+    a, b = torch.randn(L, R, n_in, generator=g) * n_in ** -0.5, torch.randn(L, n_out, R, generator=g)
+    ids = torch.randint(0, L, (T,), generator=g, dtype=torch.int32)
+    if lora == "none":
+        ids[:] = -1
+    elif lora == "mixed":
+        ids[::2] = -1
+    b_vec = torch.randn(n_out, generator=g) if bias else None
+    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK)}
+    y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)),
+                           bias=None if b_vec is None else b_vec.to(DEVICE), config=cfg)
+    ref = x.double() @ weight.double().T
+    if bias:
+        ref += b_vec.double()
+    for t in range(T):
+        if ids[t] >= 0:
+            ref[t] += b[ids[t]].double() @ (a[ids[t]].double() @ x[t].double())
+    torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU: bf16 at real shapes, through the op
+# ----------------------------------------------------------------------------------------------------------------
+
+def _rel_err(y, ref):
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _real_case(geometry, T, L, R, lora):
+    layout = geometry.layout
+    return Case(T=T, H=geometry.H, I=geometry.I, E=geometry.E, k=geometry.k, L=L, R=R, layout=layout,
+                activation="gptoss_swiglu" if geometry.activation == "gptoss_swiglu" else "silu",
+                bias=geometry.bias, lora=lora)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geometry", [GPT_OSS_20B, QWEN3_30B_A3B], ids=lambda g: g.name)
+@pytest.mark.parametrize("T,L,R,lora", [
+    (1, 4, 16, "random"),     # decode: per-pair path
+    (8, 4, 64, "mixed"),      # small batch, half the tokens without adapter
+    (128, 16, 64, "random"),  # sorted path, many slots per block
+    (2048, 4, 16, "mixed"),   # prefill-sized: big blocks
+])
+def test_gpu_bf16_real_shapes(geometry, T, L, R, lora):
+    c = _real_case(geometry, T, L, R, lora)
+    args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
+    y = torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)
+    ref = expert_loop_reference(*args, **kwargs)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, c.H)
+    assert _rel_err(y, ref) < 1e-2
+    # the LoRA delta itself is right, not only drowned in the base output
+    no_lora = list(args)
+    no_lora[3] = torch.full_like(args[3], -1)
+    y0 = torch.ops.moe_lora.fused_moe_lora(*no_lora, **kwargs)
+    ref0 = expert_loop_reference(*no_lora, **kwargs)
+    assert _rel_err(y.float() - y0.float(), ref - ref0) < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_fp32_edge_cases(case):
+    """The CPU rows on the GPU, fp32 (ieee dots), all three kernel paths."""
+    args, kwargs = make_inputs(case, device="cuda")
+    for path in ((False, False), (True, True), (False, True)):
+        y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path))
+        torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+
+
+def _kernel_cache_size(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is not None:
+        return sum(len(v[0]) for v in caches.values())
+    return sum(len(v) for v in kernel.cache.values())
+
+
+@pytest.mark.gpu
+def test_gpu_new_token_count_does_not_recompile():
+    from moe_lora_compile.ops.triton import moe_kernels, routing
+    kernels = (moe_kernels.moe_w13_kernel, moe_kernels.moe_w2_kernel, moe_kernels.lora_shrink_kernel,
+               routing._count_kernel, routing._offsets_kernel, routing._scatter_kernel)
+    c = _real_case(QWEN3_30B_A3B, 40, 4, 16, "mixed")
+    cfg = None
+    for T in (40, 41, 57, 64):
+        args, kwargs = make_inputs(replace(c, T=T), dtype=torch.bfloat16, device="cuda")
+        if cfg is None:
+            from moe_lora_compile.ops.triton.configs import default_config
+            cfg = default_config(c.E, c.H, c.I, c.R, T, c.k)
+            fused_moe_lora_triton(*args, **kwargs, config=cfg)
+            before = [_kernel_cache_size(k) for k in kernels]
+        fused_moe_lora_triton(*args, **kwargs, config=cfg)
+    torch.cuda.synchronize()
+    assert [_kernel_cache_size(k) for k in kernels] == before
+
+
+@pytest.mark.gpu
+def test_gpu_lora_linear_bf16():
+    T, n_in, n_out, L, R = 300, 2048, 4096, 4, 64
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, n_in, generator=g)
+    w = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+    a, b = torch.randn(L, R, n_in, generator=g) * n_in ** -0.5, torch.randn(L, n_out, R, generator=g) * R ** -0.5
+    ids = torch.randint(-1, L, (T,), generator=g, dtype=torch.int32)
+    bias = torch.randn(n_out, generator=g)
+    y = torch.ops.moe_lora.lora_linear(*(t.cuda().bfloat16() for t in (x, w, a, b)), ids.cuda(),
+                                       bias=bias.cuda().bfloat16())
+    from moe_lora_compile.ops.reference import lora_linear_reference
+    ref = lora_linear_reference(*(t.cuda().bfloat16().float() for t in (x, w, a, b)), ids.cuda(),
+                                bias=bias.cuda().bfloat16().float())
+    assert _rel_err(y, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # sorted path (default heuristic at T=24), GPT-OSS layout with biases
+    Case(T=24, H=64, I=32, E=8, k=2, L=2, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),
+    # per-pair path (T=1), concat, half -1
+    Case(T=1, H=64, I=32, E=8, k=2, L=2, lora="mixed"),
+])
+def test_gpu_opcheck(case):
+    args, kwargs = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(torch.ops.moe_lora.fused_moe_lora.default, args, kwargs,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+    x, ids = args[0], args[3]
+    w, a, b = torch.randn(48, 64, device="cuda", dtype=torch.bfloat16), args[6][:, 0], args[9][:, 0, :48]
+    torch.library.opcheck(torch.ops.moe_lora.lora_linear.default, (x, w, a.contiguous(), b.contiguous(), ids),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+
+def test_config_lookup_buckets_and_fallback(monkeypatch):
+    """Tuned entry of the largest T bucket <= T (smallest below all), nearest tuned rank, heuristic otherwise."""
+    from moe_lora_compile.ops.triton import configs
+    tuned = {configs.shape_key(8, 64, 32, 16): {"1": {"tag": "T1"}, "32": {"tag": "T32"}}}
+    monkeypatch.setattr(configs, "_load", lambda name: tuned)
+    cpu = torch.device("cpu")
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2)["tag"] == "T1"
+    assert configs.get_config(cpu, 8, 64, 32, 16, 31, 2)["tag"] == "T1"
+    assert configs.get_config(cpu, 8, 64, 32, 16, 4096, 2)["tag"] == "T32"
+    assert configs.get_config(cpu, 8, 64, 32, 64, 32, 2)["tag"] == "T32"  # R=64 bucket missing: nearest rank
+    fallback = configs.get_config(cpu, 8, 128, 32, 16, 1, 2)  # other layer shape: heuristic
+    assert fallback == configs.default_config(8, 128, 32, 16, 1, 2) and fallback["per_pair"]
+
+
+def test_shipped_configs_are_complete():
+    """Every shipped JSON entry has the keys the launcher reads."""
+    import json
+
+    from moe_lora_compile.ops.triton.configs import CONFIG_DIR
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        for buckets in json.loads(path.read_text()).values():
+            for cfg in buckets.values():
+                assert {"per_pair", "BLOCK_M", "w13", "w2", "shrink"} <= cfg.keys()
+                for kernel in ("w13", "w2"):
+                    assert {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages"} <= cfg[kernel].keys()
+                assert {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"} <= cfg["shrink"].keys()
