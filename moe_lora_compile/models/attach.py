@@ -1,0 +1,215 @@
+"""``attach(model)``: serve many PEFT LoRA adapters on one transformers model, one adapter (or none) per sequence.
+
+Per-token adapter ids live in one int32 buffer ``token_lora_ids [max_tokens]`` owned by the
+:class:`MultiLoRAModel` and registered (the same tensor object, non-persistent) on every LoRA module, which reads
+``token_lora_ids[:T]``. A forward pre-hook on the wrapped model fills it in place from the per-sequence slots before
+every forward, prefill and decode alike (decode steps have one token per sequence), so new adapter mixes never
+recompile. When a batch has more than ``max_tokens`` tokens the buffer is reallocated (doubled until it fits) and
+re-registered everywhere: compiled graphs and CUDA graphs captured before then hold the old buffer, so size
+``max_tokens`` for the largest batch (default 8192).
+
+Compile the wrapped model (``mm.model``), not the wrapper: the wrapper maps adapter names to slots on the host.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter
+from ..adapters.slots import AdapterSlots
+from .dense import LoRALinear
+from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
+                      register_experts_implementation)
+from .families import Family, family_for, find_dense_targets, find_experts
+
+NO_ADAPTER = -1
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
+
+
+class MultiLoRAModel(nn.Module):
+    """A transformers causal LM serving up to ``max_loras`` LoRA adapters at once, chosen per sequence.
+
+    Build it with :func:`attach`. ``forward``/``generate`` take ``adapters=[name or None, ...]`` (one entry per
+    sequence; ``None`` = base model; omitted = base model for all).
+    """
+
+    def __init__(self, model: nn.Module, family: Family, *, max_loras: int, max_rank: int, max_tokens: int,
+                 use_ops: bool, target_modules: Optional[Sequence[str]]):
+        super().__init__()
+        self.model = model
+        self.family = family
+        self.max_loras, self.max_rank = max_loras, max_rank
+        device = next(model.parameters()).device
+        self.register_buffer("token_lora_ids", torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int32,
+                                                          device=device), persistent=False)
+        self._sequence_slots = torch.full((1,), NO_ADAPTER, dtype=torch.int32)
+        experts = self._attach_experts(use_ops)
+        linears = self._attach_linears(target_modules, use_ops)
+        self.slots = AdapterSlots(experts, linears, max_loras)
+        self._experts_targets = {name: self._experts_target(m) for name, m in experts.items()}
+        self._linear_targets = {name: LinearTarget(m.in_features, m.out_features) for name, m in linears.items()}
+        self._aliases = {old: family.block_attr for old in family.legacy_block_attrs}
+        self._hook = model.register_forward_pre_hook(self._fill_token_lora_ids, with_kwargs=True)
+
+    # --- attaching -------------------------------------------------------------------------------------------
+    def _attach_experts(self, use_ops: bool) -> dict[str, nn.Module]:
+        family = self.family
+        experts = find_experts(self.model, family)
+        if family.is_moe and not experts:
+            raise ValueError(f"model: found no MoE experts under '.{family.block_attr}.experts' in this "
+                             f"{family.name} model")
+        if family.activation == "silu" and getattr(self.model.config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {self.model.config.hidden_act!r} is not supported (silu only)")
+        for name, module in experts.items():
+            add_lora_buffers(module, layout=family.layout, activation=family.activation,
+                             routing_weight_on_input=family.routing_weight_on_input, max_loras=self.max_loras,
+                             max_rank=self.max_rank, token_lora_ids=self.token_lora_ids, use_ops=use_ops)
+            if not family.decorated:
+                block_name = name.rpartition(".")[0]
+                _set_submodule(self.model, block_name, Llama4MoELoRABlock(self.model.get_submodule(block_name)))
+        if experts and family.decorated:
+            register_experts_implementation()
+            self.model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        return experts
+
+    def _attach_linears(self, target_modules, use_ops: bool) -> dict[str, nn.Module]:
+        linears = {}
+        for name, linear in find_dense_targets(self.model, self.family, target_modules).items():
+            wrapped = LoRALinear(linear, max_loras=self.max_loras, max_rank=self.max_rank,
+                                 token_lora_ids=self.token_lora_ids, use_ops=use_ops)
+            _set_submodule(self.model, name, wrapped)
+            linears[name] = wrapped
+        return linears
+
+    def _experts_target(self, module: nn.Module) -> ExpertsTarget:
+        E, H, I = experts_geometry(module, self.family.layout)
+        return ExpertsTarget(E, H, I, self.family.layout, self.family.per_expert_names, self.family.peft_a_on_output)
+
+    def _lora_modules(self):
+        yield from self.slots.experts_modules.values()
+        yield from self.slots.linear_modules.values()
+
+    def _apply(self, fn, recurse=True):
+        # nn.Module.to() converts each module's copy of the shared buffer separately: re-share ours afterwards.
+        result = super()._apply(fn, recurse)
+        if hasattr(self, "slots"):
+            for module in self._lora_modules():
+                module.token_lora_ids = self.token_lora_ids
+        return result
+
+    # --- adapters --------------------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> dict[str, int]:
+        """``{adapter name: slot}`` of the loaded adapters."""
+        return self.slots.names
+
+    def load_adapter(self, name: str, path: str | os.PathLike, *, replace: bool = False) -> int:
+        """Load the PEFT adapter folder ``path`` as ``name``; returns its slot.
+
+        ``replace=True`` hot-swaps an adapter already loaded under ``name`` (same slot, in place); without it a
+        taken name is a ValueError. The adapter is validated completely before any slot buffer is written, so a
+        failing load leaves every loaded adapter intact.
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if name in self.slots.names:
+            if not replace:
+                raise ValueError(f"name: adapter {name!r} is already loaded in slot {self.slots.slot_of(name)}; "
+                                 f"pass replace=True to hot-swap it")
+            slot = self.slots.slot_of(name)
+        else:
+            slot = self.slots.free_slot()
+        weights = load_peft_adapter(os.fspath(path), self._experts_targets, self._linear_targets,
+                                    max_rank=self.max_rank, aliases=self._aliases)
+        self.slots.write(name, slot, weights)
+        return slot
+
+    def unload_adapter(self, name: str) -> None:
+        """Zero the slot of ``name`` and free it; KeyError if not loaded."""
+        self.slots.clear(name)
+
+    # --- running ---------------------------------------------------------------------------------------------
+    def _select(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> None:
+        """Per-sequence slots from ``adapters`` (validated: length, names) for the next forward/generate."""
+        if adapters is None:
+            slots = [NO_ADAPTER] * batch_size
+        else:
+            if isinstance(adapters, str) or len(adapters) != batch_size:
+                raise ValueError(f"adapters must be a list with one adapter name (or None) per sequence "
+                                 f"({batch_size}), got {adapters!r}")
+            slots = [NO_ADAPTER if a is None else self.slots.slot_of(a) for a in adapters]
+        self._sequence_slots = torch.tensor(slots, dtype=torch.int32)
+
+    def _fill_token_lora_ids(self, module, args, kwargs):
+        """Forward pre-hook: ``token_lora_ids[:B*S]`` <- each sequence's slot, repeated over its S tokens."""
+        tokens = kwargs.get("inputs_embeds")
+        if tokens is None:
+            tokens = kwargs.get("input_ids", args[0] if args else None)
+        batch, seq_len = tokens.shape[0], tokens.shape[1]
+        per_sequence = self._sequence_slots
+        if batch != per_sequence.numel():  # generate(num_beams / num_return_sequences) repeats each sequence
+            if batch % per_sequence.numel():
+                raise ValueError(f"adapters: {per_sequence.numel()} entries for a batch of {batch} sequences")
+            per_sequence = per_sequence.repeat_interleave(batch // per_sequence.numel())
+        num_tokens = batch * seq_len
+        if num_tokens > self.token_lora_ids.numel():
+            self._grow(num_tokens)
+        ids = per_sequence.to(self.token_lora_ids.device).repeat_interleave(seq_len)
+        self.token_lora_ids[:num_tokens].copy_(ids)
+
+    def _grow(self, num_tokens: int) -> None:
+        size = self.token_lora_ids.numel()
+        while size < num_tokens:
+            size *= 2
+        self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=self.token_lora_ids.device)
+        for module in self._lora_modules():
+            module.token_lora_ids = self.token_lora_ids
+
+    def _batch_size(self, input_ids: Optional[Tensor], kwargs: dict) -> int:
+        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise ValueError("input_ids (or inputs_embeds) is required")
+        return tokens.shape[0]
+
+    def forward(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
+                **kwargs):
+        """The wrapped model's forward (``input_ids [B,S]`` -> its output, e.g. ``.logits [B,S,V]``) with
+        ``adapters[b]`` applied to sequence ``b``."""
+        self._select(adapters, self._batch_size(input_ids, kwargs))
+        return self.model(input_ids=input_ids, **kwargs)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
+                 **kwargs):
+        """``model.generate`` (KV cache as usual) with ``adapters[b]`` applied to sequence ``b`` at every step."""
+        self._select(adapters, self._batch_size(input_ids, kwargs))
+        return self.model.generate(input_ids=input_ids, **kwargs)
+
+
+def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,
+           use_ops: bool = False, target_modules: Optional[Sequence[str]] = None) -> MultiLoRAModel:
+    """Prepare a transformers causal LM (modified in place) for multi-LoRA serving.
+
+    Routes its MoE experts through our experts implementation and wraps its dense LoRA targets (the family's
+    attention / MLP / shared-expert linears, or the leaf names in ``target_modules``) with slot buffers of
+    ``max_loras`` adapters of rank up to ``max_rank``. By default they call the traceable references
+    (``moe_lora_compile.ops.reference``), which the compile pass turns into the fused ops; ``use_ops=True`` calls
+    ``torch.ops.moe_lora.*`` directly (eager GPU use). Move the model to its device and dtype first.
+    """
+    for arg, value in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
+        raise ValueError("model: already attached")
+    family = family_for(model)
+    return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
+                          use_ops=use_ops, target_modules=target_modules)

@@ -1,0 +1,96 @@
+"""Our experts implementation: transformers' fused experts routed through the multi-LoRA MoE reference (or op).
+
+Each experts module gets LoRA slot buffers (``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``,
+``lora_b2 [L,E,H,R]``, in the weights' dtype) and the shared ``token_lora_ids`` buffer; forward reads
+``token_lora_ids[:T]``. Decorated experts (``@use_experts_implementation``) are routed here through transformers'
+``ExpertsInterface`` under the name :data:`EXPERTS_IMPLEMENTATION`; Llama-4's MoE block is swapped for
+:class:`Llama4MoELoRABlock`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_transposed
+from ..ops.reference import fused_moe_lora_reference
+
+EXPERTS_IMPLEMENTATION = "moe_lora"
+
+
+def experts_geometry(experts: nn.Module, layout: str) -> tuple[int, int, int]:
+    """``(E, H, I)`` of an experts module from its ``gate_up_proj`` / ``down_proj`` in ``layout``."""
+    E = experts.gate_up_proj.shape[0]
+    if is_transposed(layout):
+        return E, experts.gate_up_proj.shape[1], experts.down_proj.shape[1]
+    return E, experts.gate_up_proj.shape[2], experts.down_proj.shape[2]
+
+
+def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routing_weight_on_input: bool,
+                     max_loras: int, max_rank: int, token_lora_ids: Tensor, use_ops: bool) -> None:
+    """Register zeroed slot buffers and the static MoE attributes our forward reads on ``experts``."""
+    E, H, I = experts_geometry(experts, layout)
+    like = dict(dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
+    experts.register_buffer("lora_a13", torch.zeros(max_loras, E, max_rank, H, **like), persistent=False)
+    experts.register_buffer("lora_b13", torch.zeros(max_loras, E, 2 * I, max_rank, **like), persistent=False)
+    experts.register_buffer("lora_a2", torch.zeros(max_loras, E, max_rank, I, **like), persistent=False)
+    experts.register_buffer("lora_b2", torch.zeros(max_loras, E, H, max_rank, **like), persistent=False)
+    experts.register_buffer("token_lora_ids", token_lora_ids, persistent=False)
+    experts.moe_lora_layout = layout
+    experts.moe_lora_activation = activation
+    experts.moe_lora_routing_on_input = routing_weight_on_input
+    experts.moe_lora_alpha = float(getattr(experts, "alpha", GPTOSS_ALPHA))
+    experts.moe_lora_limit = float(getattr(experts, "limit", GPTOSS_LIMIT))
+    experts.moe_lora_use_ops = use_ops
+
+
+def moe_lora_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                             top_k_weights: Tensor) -> Tensor:
+    """transformers' experts signature: ``hidden_states [T,H]``, ``top_k_index [T,k]``, ``top_k_weights [T,k]``
+    -> ``[T,H]``. Every token adds the LoRA delta of slot ``token_lora_ids[t]`` (-1: none)."""
+    token_lora_ids = self.token_lora_ids[: hidden_states.shape[0]]
+    has_bias = getattr(self, "has_bias", False)
+    w13_bias = self.gate_up_proj_bias if has_bias else None
+    w2_bias = self.down_proj_bias if has_bias else None
+    fn = torch.ops.moe_lora.fused_moe_lora if self.moe_lora_use_ops else fused_moe_lora_reference
+    return fn(
+        hidden_states, top_k_index, top_k_weights, token_lora_ids, self.gate_up_proj, self.down_proj,
+        self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, w13_bias=w13_bias, w2_bias=w2_bias,
+        layout=self.moe_lora_layout, activation=self.moe_lora_activation, alpha=self.moe_lora_alpha,
+        limit=self.moe_lora_limit, routing_weight_on_input=self.moe_lora_routing_on_input,
+    )
+
+
+def register_experts_implementation() -> None:
+    """Register :func:`moe_lora_experts_forward` in transformers' ``ExpertsInterface`` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, moe_lora_experts_forward)
+
+
+class Llama4MoELoRABlock(nn.Module):
+    """Drop-in for transformers' ``Llama4TextMoe`` (same children, same parameter names) with multi-LoRA experts.
+
+    The original runs every expert on every token with the input scaled by ``sigmoid(top-k logit)`` (0 elsewhere);
+    that equals the top-k routed sum with the routing weight on the input, which is what this block computes.
+    Returns ``(out [T,H], router_logits [T,E])`` like the original.
+    """
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.top_k = block.top_k
+        self.hidden_dim = block.hidden_dim
+        self.num_experts = block.num_experts
+        self.experts = block.experts
+        self.router = block.router
+        self.shared_expert = block.shared_expert
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = F.linear(hidden_states, self.router.weight, self.router.bias)
+        top_values, top_index = torch.topk(router_logits, self.top_k, dim=1)
+        top_weights = torch.sigmoid(top_values.float()).to(hidden_states.dtype)
+        routed = moe_lora_experts_forward(self.experts, hidden_states, top_index, top_weights)
+        return self.shared_expert(hidden_states) + routed, router_logits

@@ -1,0 +1,111 @@
+"""The supported model families in one table: where the MoE blocks live, the experts' layout and activation, and
+which ``nn.Linear`` leaves get dense LoRA (``lora_linear``).
+
+Transformers 5.x stores routed experts as fused 3-D parameters on an ``experts`` module (``gate_up_proj``,
+``down_proj``); the layout column says how (see :mod:`moe_lora_compile.ops.contract`). Dense families have no MoE
+block and use the dense path only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.nn as nn
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek attention
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")  # dense MLP layers and shared experts
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to serve one transformers model family with multi-LoRA.
+
+    ``block_attr``: the decoder layer's attribute holding the MoE block (its ``experts`` child holds ``gate_up_proj``
+    / ``down_proj``); ``None`` for dense models. ``decorated``: the experts class uses transformers'
+    ``@use_experts_implementation`` (routed through ``ExpertsInterface``); otherwise the whole block is swapped
+    (Llama-4). ``per_expert_names``: (gate, up, down) leaf names in per-expert PEFT adapters.
+    ``legacy_block_attrs``: the MoE block's name in older (transformers 4) checkpoints. ``peft_a_on_output``: current
+    PEFT puts LoRA A on the output side of this family's expert weights (it does for Llama-4, whose experts lack
+    ``is_transposed``); used only to break the tie when shapes cannot tell.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    block_attr: Optional[str]
+    layout: Optional[str] = None
+    activation: Optional[str] = None
+    routing_weight_on_input: bool = False
+    decorated: bool = True
+    per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    legacy_block_attrs: tuple[str, ...] = ()
+    peft_a_on_output: bool = False
+    dense_targets: tuple[str, ...] = field(default=ATTENTION_TARGETS + MLP_TARGETS)
+    notes: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return self.block_attr is not None
+
+
+FAMILIES: tuple[Family, ...] = (
+    Family("qwen3_moe", ("qwen3_moe",), "mlp", "concat", "silu", notes="softmax top-k routing"),
+    Family("qwen2_moe", ("qwen2_moe",), "mlp", "concat", "silu",
+           notes="shared expert (dense LoRA) with sigmoid shared_expert_gate"),
+    Family("gpt_oss", ("gpt_oss",), "mlp", "transposed_interleaved", "gptoss_swiglu",
+           notes="interleaved gate/up, expert biases, clamped swiglu; attention biases"),
+    Family("mixtral", ("mixtral",), "mlp", "concat", "silu", per_expert_names=("w1", "w3", "w2"),
+           legacy_block_attrs=("block_sparse_moe",), notes="per-expert adapters use w1/w3/w2"),
+    Family("deepseek_v3", ("deepseek_v3",), "mlp", "concat", "silu", dense_targets=MLA_TARGETS + MLP_TARGETS,
+           notes="sigmoid group routing, shared experts and first dense layers (dense LoRA), MLA attention"),
+    Family("olmoe", ("olmoe",), "mlp", "concat", "silu", notes="softmax top-k routing"),
+    Family("llama4", ("llama4_text",), "feed_forward", "transposed_concat", "silu", routing_weight_on_input=True,
+           decorated=False, peft_a_on_output=True,
+           notes="text model only; experts not decorated (block swapped); routing weight scales the input"),
+    Family("dense", ("llama", "mistral", "qwen2", "qwen3"), None, notes="dense causal LMs: lora_linear path only"),
+)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for f in FAMILIES for t in f.model_types)
+
+
+def family_for(model: nn.Module) -> Family:
+    """The :class:`Family` of a transformers model, from ``model.config.model_type``; ValueError if unsupported."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    raise ValueError(
+        f"model: unsupported model_type {model_type!r}; supported families: "
+        + ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
+    )
+
+
+def find_experts(model: nn.Module, family: Family) -> dict[str, nn.Module]:
+    """``{module name: experts module}`` for every MoE block (ordered as in the model)."""
+    if not family.is_moe:
+        return {}
+    suffix = f".{family.block_attr}.experts"
+    return {
+        name: module for name, module in model.named_modules()
+        if name.endswith(suffix) and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+        and module.gate_up_proj.dim() == 3
+    }
+
+
+def find_dense_targets(model: nn.Module, family: Family, target_modules=None) -> dict[str, nn.Linear]:
+    """``{module name: nn.Linear}`` inside the decoder layers whose leaf name is a dense LoRA target.
+
+    ``target_modules`` (leaf names) narrows the family's default list; the LM head and embeddings are never targets.
+    """
+    allowed = tuple(family.dense_targets) if target_modules is None else tuple(target_modules)
+    unknown = sorted(set(allowed) - set(family.dense_targets))
+    if unknown:
+        raise ValueError(f"target_modules: {unknown} are not dense LoRA targets of {family.name}; "
+                         f"choose from {list(family.dense_targets)}")
+    return {
+        name: module for name, module in model.named_modules()
+        if type(module) is nn.Linear and ".layers." in f".{name}" and name.rpartition(".")[2] in allowed
+    }

@@ -1,0 +1,191 @@
+"""The loader: both expert key layouts, orientation from shapes (peft_version only as tie-break), per-expert gate/up
+merging, and the dense stacks; checked against files rewritten from real PEFT saves and against PEFT's forward."""
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+from peft import get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from moe_lora_compile.adapters.peft_loader import ExpertsTarget, load_peft_adapter
+from moe_lora_compile.models import attach
+from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
+
+PREFIX = "base_model.model."
+
+
+def _make_adapter(family, path, config_overrides=None, lora_overrides=None, seed=0):
+    """Base model + a saved PEFT adapter (random non-zero LoRA); returns (base, peft_model)."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(family, **(config_overrides or {}))).eval()
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(family, **(lora_overrides or {}))).eval()
+    randomize_lora_(peft_model, seed=seed)
+    peft_model.save_pretrained(path)
+    return base, peft_model
+
+
+def _rewrite(src, dst, transform_tensors, config_updates=None):
+    """Copy adapter folder ``src`` to ``dst`` with its tensors passed through ``transform_tensors(dict) -> dict``."""
+    os.makedirs(dst, exist_ok=True)
+    tensors = transform_tensors(load_file(os.path.join(src, "adapter_model.safetensors")))
+    save_file({k: v.clone().contiguous() for k, v in tensors.items()}, os.path.join(dst, "adapter_model.safetensors"))
+    with open(os.path.join(src, "adapter_config.json")) as f:
+        config = json.load(f)
+    config.update(config_updates or {})
+    with open(os.path.join(dst, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _experts_keys(tensors):
+    """{experts module key prefix: {"gate_up": (A, B), "down": (A, B)}} of a 3-D PEFT save (gate_up is the inner
+    ParamWrapper, so its keys carry `.base_layer`)."""
+    out = {}
+    for key in tensors:
+        if key.endswith(".experts.base_layer.lora_A.weight"):
+            prefix = key.removesuffix(".base_layer.lora_A.weight")
+            out[prefix] = {
+                "gate_up": (tensors[f"{prefix}.base_layer.lora_A.weight"],
+                            tensors[f"{prefix}.base_layer.lora_B.weight"]),
+                "down": (tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]),
+            }
+    return out
+
+
+def _to_per_expert(num_experts, names, interleaved=False, rename=None):
+    """3-D keys -> per-expert keys ``<experts>.<e>.<gate|up|down>`` with the same A for gate and up."""
+    gate_name, up_name, down_name = names
+
+    def transform(tensors):
+        out = {k: v for k, v in tensors.items() if ".experts." not in k}
+        for prefix, pairs in _experts_keys(tensors).items():
+            new_prefix = prefix if rename is None else prefix.replace(*rename)
+            for proj, (a, b) in pairs.items():
+                r = a.shape[0] // num_experts
+                a_e = a.reshape(num_experts, r, -1)                       # expert-major rows
+                b_e = b.reshape(b.shape[0], r, num_experts).permute(2, 0, 1)  # expert-minor columns
+                for e in range(num_experts):
+                    if proj == "down":
+                        out[f"{new_prefix}.{e}.{down_name}.lora_A.weight"] = a_e[e]
+                        out[f"{new_prefix}.{e}.{down_name}.lora_B.weight"] = b_e[e]
+                        continue
+                    gate_b, up_b = (b_e[e][0::2], b_e[e][1::2]) if interleaved else b_e[e].chunk(2)
+                    out[f"{new_prefix}.{e}.{gate_name}.lora_A.weight"] = a_e[e]
+                    out[f"{new_prefix}.{e}.{gate_name}.lora_B.weight"] = gate_b
+                    out[f"{new_prefix}.{e}.{up_name}.lora_A.weight"] = a_e[e]
+                    out[f"{new_prefix}.{e}.{up_name}.lora_B.weight"] = up_b
+        return out
+
+    return transform
+
+
+def _slot_buffers(mm, slot):
+    out = {}
+    for name, m in mm.slots.experts_modules.items():
+        for buf in ("lora_a13", "lora_b13", "lora_a2", "lora_b2"):
+            out[f"{name}.{buf}"] = getattr(m, buf)[slot].clone()
+    for name, m in mm.slots.linear_modules.items():
+        out[f"{name}.lora_a"], out[f"{name}.lora_b"] = m.lora_a[slot].clone(), m.lora_b[slot].clone()
+    return out
+
+
+@pytest.mark.parametrize("family, names, interleaved, rename", [
+    ("qwen3_moe", ("gate_proj", "up_proj", "down_proj"), False, None),  # concat gate/up
+    ("gpt_oss", ("gate_proj", "up_proj", "down_proj"), True, None),     # interleaved gate/up rows
+    ("mixtral", ("w1", "w3", "w2"), False, (".mlp.", ".block_sparse_moe.")),  # legacy names and module path
+])
+def test_per_expert_and_3d_layouts_load_identical_slots(tmp_path, family, names, interleaved, rename):
+    _make_adapter(family, tmp_path / "3d")
+    _rewrite(tmp_path / "3d", tmp_path / "per_expert", _to_per_expert(4, names, interleaved, rename))
+    base = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    mm = attach(base, max_loras=2, max_rank=8)
+    mm.load_adapter("3d", tmp_path / "3d")
+    mm.load_adapter("per_expert", tmp_path / "per_expert")
+    a, b = _slot_buffers(mm, 0), _slot_buffers(mm, 1)
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "experts" in k)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_per_expert_separate_gate_up_a_is_block_diagonal(tmp_path):
+    """Distinct gate/up A's (real per-expert adapters): rank r_gate + r_up, each half of B13 sees only its own A."""
+    E, H, I, r = 4, 32, 24, 3
+    g = torch.Generator().manual_seed(0)
+    tensors, prefix = {}, PREFIX + "model.layers.0.mlp.experts"
+    for e in range(E):
+        for leaf, (n_in, n_out) in (("gate_proj", (H, I)), ("up_proj", (H, I)), ("down_proj", (I, H))):
+            tensors[f"{prefix}.{e}.{leaf}.lora_A.weight"] = torch.randn(r, n_in, generator=g)
+            tensors[f"{prefix}.{e}.{leaf}.lora_B.weight"] = torch.randn(n_out, r, generator=g)
+    os.makedirs(tmp_path / "ad")
+    save_file(tensors, tmp_path / "ad" / "adapter_model.safetensors")
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": 6, "peft_type": "LORA"}))
+    name = "model.layers.0.mlp.experts"
+    for layout in ("concat", "transposed_interleaved"):  # the merged rows follow the base weight's gate/up order
+        target = ExpertsTarget(E, H, I, layout)
+        lora = load_peft_adapter(str(tmp_path / "ad"), {name: target}, {}, max_rank=8)[name]
+        assert lora.a13.shape == (E, 2 * r, H) and lora.b13.shape == (E, 2 * I, 2 * r)
+        delta = lora.b13 @ lora.a13  # [E, 2I, H]
+        gate, up = (delta[:, 0::2], delta[:, 1::2]) if layout == "transposed_interleaved" else delta.chunk(2, dim=1)
+        for e in range(E):
+            for leaf, got in (("gate_proj", gate[e]), ("up_proj", up[e])):
+                key = f"{prefix}.{e}.{leaf}"
+                expected = 2.0 * tensors[f"{key}.lora_B.weight"] @ tensors[f"{key}.lora_A.weight"]  # alpha / r = 2
+                torch.testing.assert_close(got, expected)
+
+
+def _to_old_peft_orientation(num_experts):
+    """Rewrite new-PEFT 3-D keys as PEFT < 0.19.1 saved them for [E, out, in] weights: A on the output side."""
+
+    def transform(tensors):
+        out = dict(tensors)
+        for prefix, pairs in _experts_keys(tensors).items():
+            for proj, (a, b) in pairs.items():
+                r = a.shape[0] // num_experts
+                a_e = a.reshape(num_experts, r, -1)
+                b_e = b.reshape(b.shape[0], r, num_experts).permute(2, 0, 1)
+                old_a = b_e.transpose(1, 2).reshape(num_experts * r, -1)                   # [E*r, out]
+                old_b = a_e.permute(2, 1, 0).reshape(a_e.shape[2], r * num_experts)        # [in, r*E], expert-minor
+                key = f"{prefix}.base_layer" if proj == "gate_up" else prefix
+                out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = old_a, old_b
+        return out
+
+    return transform
+
+
+@pytest.mark.parametrize("hidden, version_decides", [
+    (32, False),  # H=32 != 2I=48: orientation follows from the shapes, whatever peft_version says
+    (48, True),   # H == 2I: gate_up shapes are symmetric, only peft_version can tell the orientation
+])
+def test_old_peft_orientation(tmp_path, hidden, version_decides):
+    overrides = dict(hidden_size=hidden)
+    base, peft_model = _make_adapter("qwen3_moe", tmp_path / "new", config_overrides=overrides)
+    _rewrite(tmp_path / "new", tmp_path / "old", _to_old_peft_orientation(4), {"peft_version": "0.17.1"})
+    _rewrite(tmp_path / "new", tmp_path / "old_mislabelled", _to_old_peft_orientation(4), {"peft_version": "0.21.2"})
+    mm = attach(copy.deepcopy(base), max_loras=3, max_rank=8)
+    for name in ("new", "old", "old_mislabelled"):
+        mm.load_adapter(name, tmp_path / name)
+    new, old, mislabelled = (_slot_buffers(mm, s) for s in range(3))
+    gate_up = "model.layers.0.mlp.experts.lora_b13"
+    assert all(torch.equal(new[k], old[k]) for k in new)
+    assert torch.equal(new[gate_up], mislabelled[gate_up]) == (not version_decides)
+    ids = torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(mm(ids, adapters=["old"]).logits, peft_model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_dense_stacks_and_scaling_from_patterns(tmp_path):
+    """lora_linear stacks A [L,R,in], B [L,out,R]: rank padded with zeros, alpha_pattern scaling folded into B."""
+    _, peft_model = _make_adapter("qwen3", tmp_path / "ad", lora_overrides=dict(
+        r=2, lora_alpha=4, rank_pattern={"o_proj": 3}, alpha_pattern={"o_proj": 9}))
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3")).eval(), max_loras=2, max_rank=8)
+    slot = mm.load_adapter("ad", tmp_path / "ad")
+    for name, scale, r in (("model.layers.1.self_attn.q_proj", 4 / 2, 2),    # r and lora_alpha
+                           ("model.layers.1.self_attn.o_proj", 9 / 3, 3)):   # rank_pattern and alpha_pattern
+        peft_layer = peft_model.base_model.model.get_submodule(name)
+        ours = mm.slots.linear_modules[name]
+        torch.testing.assert_close(ours.lora_a[slot, :r], peft_layer.lora_A["default"].weight)
+        torch.testing.assert_close(ours.lora_b[slot, :, :r], peft_layer.lora_B["default"].weight * scale)
+        assert not ours.lora_a[slot, r:].any() and not ours.lora_b[slot, :, r:].any()

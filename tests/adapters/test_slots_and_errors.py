@@ -1,0 +1,240 @@
+"""Slots: load/unload/replace in place, hot swap changes exactly the sequences that use the adapter, and every bad
+input raises a clear error while all loaded slots stay intact."""
+
+import copy
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from peft import get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from moe_lora_compile.models import attach
+from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
+
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Base model, PEFT models and saved folders: x, y (experts + attention), attn_only (no expert targets),
+    big (rank 16), other_geometry (made for a base with 8 experts)."""
+    root = tmp_path_factory.mktemp("adapters")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(FAMILY)).eval()
+    specs = {
+        "x": (base, dict(r=4)),
+        "y": (base, dict(r=2, lora_alpha=2)),
+        "attn_only": (base, dict(r=4, target_parameters=None)),
+        "big": (base, dict(r=16)),
+        "other_geometry": (AutoModelForCausalLM.from_config(tiny_config(FAMILY, num_experts=8)).eval(), dict(r=4)),
+    }
+    peft_models, paths = {}, {}
+    for i, (name, (model, overrides)) in enumerate(specs.items()):
+        peft_model = get_peft_model(copy.deepcopy(model), tiny_lora_config(FAMILY, **overrides)).eval()
+        randomize_lora_(peft_model, seed=i)
+        paths[name] = root / name
+        peft_model.save_pretrained(paths[name])
+        peft_models[name] = peft_model
+    return dict(base=base, peft=peft_models, paths=paths, root=root)
+
+
+@pytest.fixture
+def mm(adapters):
+    """A fresh attached model with x in slot 0 and y in slot 1 (2 free slots)."""
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=4, max_rank=8)
+    mm.load_adapter("x", adapters["paths"]["x"])
+    mm.load_adapter("y", adapters["paths"]["y"])
+    return mm
+
+
+def _all_buffers(mm):
+    """Snapshot of every slot buffer (clones) plus the buffer objects themselves (identity must not change)."""
+    modules = list(mm.slots.experts_modules.items()) + list(mm.slots.linear_modules.items())
+    tensors = {f"{n}.{b}": getattr(m, b) for n, m in modules for b, _ in m.named_buffers(recurse=False)}
+    return {k: v.clone() for k, v in tensors.items()}, {k: id(v) for k, v in tensors.items()}
+
+
+def _copy_with(src, dst, tensors_fn=None, config_updates=None):
+    shutil.copytree(src, dst)
+    if tensors_fn is not None:
+        path = os.path.join(dst, "adapter_model.safetensors")
+        save_file({k: v.clone().contiguous() for k, v in tensors_fn(load_file(path)).items()}, path)
+    if config_updates:
+        path = os.path.join(dst, "adapter_config.json")
+        config = json.loads(open(path).read())
+        config.update(config_updates)
+        open(path, "w").write(json.dumps(config))
+    return dst
+
+
+def _first_key(tensors, needle):
+    return next(k for k in tensors if needle in k)
+
+
+def _poison(needle, value):
+    def fn(t):
+        key = _first_key(t, needle)
+        t[key] = t[key].clone()
+        t[key].view(-1)[0] = value
+        return t
+    return fn
+
+
+def _rename(needle, new):
+    def fn(t):
+        return {k.replace(needle, new): v for k, v in t.items()}
+    return fn
+
+
+def _reshape_q_b(t):
+    key = _first_key(t, "q_proj.lora_B")
+    t[key] = torch.zeros(t[key].shape[0] + 1, t[key].shape[1])
+    return t
+
+
+def _drop(needle):
+    def fn(t):
+        del t[_first_key(t, needle)]
+        return t
+    return fn
+
+
+BAD_FOLDERS = [
+    # (id, how to build the folder from x's, error type, message fragment)
+    ("missing_folder", lambda a, d: d, FileNotFoundError, "no adapter_config.json"),
+    ("missing_weights", lambda a, d: (_copy_with(a["paths"]["x"], d),
+                                      os.remove(d / "adapter_model.safetensors"))[0],
+     FileNotFoundError, "no adapter_model.safetensors"),
+    ("unknown_target", lambda a, d: _copy_with(a["paths"]["x"], d, _rename("self_attn.q_proj", "self_attn.qq_proj")),
+     ValueError, "not a LoRA target of this model"),
+    ("shape_mismatch", lambda a, d: _copy_with(a["paths"]["x"], d, _reshape_q_b), ValueError, "another base model"),
+    ("lora_A_without_B", lambda a, d: _copy_with(a["paths"]["x"], d, _drop("q_proj.lora_B")),
+     ValueError, "no partner"),
+    ("rank_above_max", lambda a, d: a["paths"]["big"], ValueError, "exceeds max_rank=8"),
+    ("dora", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"use_dora": True}), ValueError, "use_dora"),
+    ("lora_bias", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"lora_bias": True}),
+     ValueError, "lora_bias"),
+    ("modules_to_save", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"modules_to_save": ["lm_head"]}),
+     ValueError, "modules_to_save"),
+    ("nan_weight", lambda a, d: _copy_with(a["paths"]["x"], d, _poison("experts.lora_B", float("nan"))),
+     ValueError, "NaN or Inf"),
+    ("inf_weight", lambda a, d: _copy_with(a["paths"]["x"], d, _poison("v_proj.lora_A", float("inf"))),
+     ValueError, "NaN or Inf"),
+    ("other_base_geometry", lambda a, d: a["paths"]["other_geometry"], ValueError, "another base model"),
+    ("rank_differs_from_config", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"r": 3}),
+     ValueError, "adapter_config.json gives rank 3"),
+]
+
+
+@pytest.mark.parametrize("case, build, error, message", BAD_FOLDERS, ids=[c[0] for c in BAD_FOLDERS])
+def test_bad_adapter_folder_leaves_slots_intact(mm, adapters, tmp_path, case, build, error, message):
+    path = build(adapters, tmp_path / case)
+    before, ids_before = _all_buffers(mm)
+    with pytest.raises(error, match=message):
+        mm.load_adapter("new", path)
+    after, ids_after = _all_buffers(mm)
+    assert mm.adapters == {"x": 0, "y": 1}
+    assert ids_after == ids_before
+    for key in before:
+        assert torch.equal(before[key], after[key]), key
+
+
+def test_bad_hot_swap_keeps_the_old_adapter(mm, adapters, tmp_path):
+    before, _ = _all_buffers(mm)
+    with pytest.raises(ValueError, match="exceeds max_rank"):
+        mm.load_adapter("x", adapters["paths"]["big"], replace=True)
+    after, _ = _all_buffers(mm)
+    assert mm.adapters == {"x": 0, "y": 1} and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_slots_full(mm, adapters):
+    mm.load_adapter("z", adapters["paths"]["attn_only"])
+    mm.load_adapter("w", adapters["paths"]["attn_only"])
+    before, _ = _all_buffers(mm)
+    with pytest.raises(ValueError, match="all 4 adapter slots are in use"):
+        mm.load_adapter("v", adapters["paths"]["x"])
+    after, _ = _all_buffers(mm)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda mm, ids: mm(ids, adapters=["x", "nope"]), KeyError, "unknown adapter 'nope'"),  # unknown name
+    (lambda mm, ids: mm(ids, adapters=["x"]), ValueError, "one adapter name"),             # wrong length
+    (lambda mm, ids: mm(ids, adapters="x"), ValueError, "one adapter name"),               # a str, not a list
+    (lambda mm, ids: mm.unload_adapter("nope"), KeyError, "unknown adapter 'nope'"),        # unload unknown
+    (lambda mm, ids: mm.load_adapter("x", "/nonexistent"), ValueError, "replace=True"),     # name taken
+    (lambda mm, ids: mm.load_adapter("", "/nonexistent"), TypeError, "non-empty str"),      # empty name
+])
+def test_bad_calls(mm, call, error, message):
+    ids = torch.randint(3, 128, (2, 4))
+    with pytest.raises(error, match=message):
+        call(mm, ids)
+    assert mm.adapters == {"x": 0, "y": 1}
+
+
+def test_unsupported_model_lists_families():
+    from transformers import GPT2Config
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128))
+    with pytest.raises(ValueError, match=r"unsupported model_type 'gpt2'.*qwen3_moe.*gpt_oss.*llama4"):
+        attach(model)
+
+
+def test_hot_swap_changes_exactly_the_sequences_using_it(mm, adapters):
+    """Replace x by an adapter without expert targets: rows using x now match that adapter on PEFT (so its expert
+    slots were zeroed), every other row is bit-identical, and all buffers are the same tensor objects."""
+    ids = torch.randint(3, 128, (4, 5), generator=torch.Generator().manual_seed(3))
+    batch = ["x", "y", None, "x"]
+    _, buffer_ids = _all_buffers(mm)
+    with torch.no_grad():
+        before = mm(ids, adapters=batch).logits
+        slot = mm.load_adapter("x", adapters["paths"]["attn_only"], replace=True)
+        after = mm(ids, adapters=batch).logits
+        expected = adapters["peft"]["attn_only"](ids[[0, 3]]).logits
+    assert slot == 0 and mm.adapters == {"x": 0, "y": 1}
+    assert _all_buffers(mm)[1] == buffer_ids
+    for name, module in mm.slots.experts_modules.items():
+        assert not module.lora_a13[0].any() and not module.lora_b2[0].any(), name
+    torch.testing.assert_close(after[[0, 3]], expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(before[0], after[0], atol=1e-3)
+    assert torch.equal(before[[1, 2]], after[[1, 2]])
+
+
+def test_unload_zeroes_the_slot_and_frees_it(mm, adapters):
+    ids = torch.randint(3, 128, (1, 5))
+    mm.unload_adapter("x")
+    assert mm.adapters == {"y": 1}
+    for module in list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values()):
+        assert all(not buf[0].any() for name, buf in module.named_buffers(recurse=False) if name != "token_lora_ids")
+    with pytest.raises(KeyError, match="unknown adapter 'x'"):
+        mm(ids, adapters=["x"])
+    assert mm.load_adapter("z", adapters["paths"]["x"]) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(mm(ids, adapters=["z"]).logits, adapters["peft"]["x"](ids).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_attach_target_modules_narrows_dense_targets(adapters):
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8, target_modules=["q_proj", "o_proj"])
+    assert {name.rpartition(".")[2] for name in mm.slots.linear_modules} == {"q_proj", "o_proj"}
+    with pytest.raises(ValueError, match=r"v_proj.*not a LoRA target of this model"):
+        mm.load_adapter("x", adapters["paths"]["x"])  # x also targets v_proj
+    assert mm.adapters == {}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target_modules=["qkv_proj"]), "not dense LoRA targets of qwen3_moe"),  # unknown leaf name
+    (dict(max_loras=0), "max_loras must be a positive int"),                     # no slots
+    (dict(max_rank=2.5), "max_rank must be a positive int"),                     # not an int
+])
+def test_bad_attach_arguments(adapters, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        attach(copy.deepcopy(adapters["base"]), **kwargs)
+
+
+def test_attach_twice_is_an_error(mm):
+    with pytest.raises(ValueError, match="already attached"):
+        attach(mm.model)
