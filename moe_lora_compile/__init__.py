@@ -1,8 +1,19 @@
 """moe_lora_compile: many LoRA adapters on one Mixture-of-Experts model, batched per token, through torch.compile."""
 
 from . import ops
+from .adapters import load_peft_adapter
+from .models import FAMILIES, MultiLoRAModel, attach, supported_model_types
 from .ops import fused_moe_lora, lora_linear
 
 __version__ = "0.1.0"
 
-__all__ = ["fused_moe_lora", "lora_linear", "ops"]
+__all__ = [
+    "FAMILIES",
+    "MultiLoRAModel",
+    "attach",
+    "fused_moe_lora",
+    "load_peft_adapter",
+    "lora_linear",
+    "ops",
+    "supported_model_types",
+]
