@@ -1,0 +1,51 @@
+"""``compile(model)``: ``torch.compile`` with :class:`~moe_lora_compile.passes.MoELoRAPass` as Inductor's post-grad
+pass. The other two ways to use the pass: ``torch.compile(m, options={"post_grad_custom_post_pass": MoELoRAPass()})``
+and, inside vLLM, :mod:`moe_lora_compile.passes.vllm`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .passes import MoELoRAPass
+
+_PASS_KEY = "post_grad_custom_post_pass"
+
+
+def inductor_options(options: Optional[dict] = None, mode: Optional[str] = None,
+                     custom_pass: Optional[MoELoRAPass] = None) -> dict:
+    """Inductor ``options`` with the pass added (``mode``'s options folded in: ``torch.compile`` takes one of the
+    two). Refuses a different post-grad pass already in ``options``."""
+    options = dict(options or {})
+    if mode is not None:
+        options = {**torch._inductor.list_mode_options(mode), **options}
+    existing = options.get(_PASS_KEY)
+    if existing is not None and not isinstance(existing, MoELoRAPass):
+        raise ValueError(f"options[{_PASS_KEY!r}] is already set to {existing!r}; compile() installs MoELoRAPass "
+                         "there (chain your pass in your own CustomGraphPass instead)")
+    options[_PASS_KEY] = existing or custom_pass or MoELoRAPass()
+    return options
+
+
+def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_kwargs) -> Any:
+    """``torch.compile(model, **torch_compile_kwargs)`` with the moe_lora post-grad pass (Inductor backend).
+
+    ``pass_options`` go to :class:`MoELoRAPass` (``moe``, ``hf_experts``, ``linear``). A
+    :class:`~moe_lora_compile.models.MultiLoRAModel` is compiled in place (its wrapped model's ``forward``; the
+    pre-hook that fills the per-token adapter ids stays eager) and returned, so ``forward``, ``generate`` and
+    adapter loading keep working; anything else is returned as ``torch.compile`` returns it.
+    """
+    backend = torch_compile_kwargs.get("backend", "inductor")
+    if backend != "inductor":
+        raise ValueError(f"backend must be 'inductor' (the pass is an Inductor post-grad pass), got {backend!r}")
+    custom_pass = MoELoRAPass(**(pass_options or {}))
+    kwargs = dict(torch_compile_kwargs)
+    kwargs["options"] = inductor_options(kwargs.pop("options", None), kwargs.pop("mode", None), custom_pass)
+    from .models import MultiLoRAModel
+
+    if isinstance(model, MultiLoRAModel):
+        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph
+        model.model.forward = torch.compile(model.model.forward, **kwargs)
+        return model
+    return torch.compile(model, **kwargs)

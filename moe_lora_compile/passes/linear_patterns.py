@@ -1,0 +1,191 @@
+"""Find ``linear + LoRA delta`` in a post-grad graph and read off the arguments of ``moe_lora::lora_linear``.
+
+Two source forms, anchored on the ``add`` / ``addmm`` that adds the delta (Inductor's own post-grad patterns have
+already turned ``mm + add`` into ``addmm``, and 3-D activations into ``reshape -> mm -> reshape``):
+
+- ``multi``: our :func:`~moe_lora_compile.ops.reference.lora_linear_reference`: ``x W^T (+ b)`` plus
+  ``(x A_flat^T * one_hot(ids)) B_flat`` over all L slots;
+- ``peft``: PEFT's single adapter ``base(x) + lora_B(lora_A(x)) * s``: becomes one slot (``A[None]``,
+  ``(s B)[None]``) with every token's id 0.
+
+Hand-written for the same reasons as :mod:`.moe_patterns` (casts, views and symbolic shapes in many variants).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch.fx import Node
+
+from .fx_match import (NoMatch, aten, find_in_chain, insert_call, is_call, name, require, same_shape, shape, skip,
+                       val)
+
+
+@dataclasses.dataclass
+class LinearMatch:
+    form: str
+    anchor: Node
+    x: Node  # [T, in]
+    weight: Node  # [out, in]
+    bias: Optional[Node]
+    lora_a: Node  # [L, R, in] (multi) or [R, in] (peft)
+    lora_b: Node  # [L, out, R] (multi) or [out, R] (peft)
+    token_lora_ids: Optional[Node]  # None for peft
+    scale: float = 1.0
+
+    def describe(self) -> str:
+        return f"{self.form} at {self.anchor.name}: bias={self.bias is not None} scale={self.scale}"
+
+
+def _terms(node: Node) -> list:
+    """``a + b + ...`` as terms; an ``addmm(c, m1, m2)`` contributes ``c``'s terms and ``("mm", m1, m2)``."""
+    inner = skip(node)
+    if is_call(inner, aten.add.Tensor) and all(isinstance(a, Node) for a in inner.args[:2]) \
+            and inner.kwargs.get("alpha", 1) == 1:
+        return _terms(inner.args[0]) + _terms(inner.args[1])
+    if is_call(inner, aten.addmm.default) and inner.kwargs.get("beta", 1) == 1 and inner.kwargs.get("alpha", 1) == 1:
+        return _terms(inner.args[0]) + [("mm", inner.args[1], inner.args[2])]
+    if is_call(inner, aten.mm.default):
+        return [("mm", inner.args[0], inner.args[1])]
+    return [node]
+
+
+def _t_arg(node: Node) -> Optional[Node]:
+    """The tensor under a 2-D transpose (``permute(., [1, 0])`` / ``t``), looking through casts; else None."""
+    node = skip(node)
+    if is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0] or is_call(node, aten.t.default):
+        return node.args[0]
+    return None
+
+
+def _transposed_2d(node: Node) -> Optional[Node]:
+    """``W.t()`` of a 2-D W (through casts) -> W."""
+    w = _t_arg(node)
+    w = skip(w) if w is not None else None
+    return w if w is not None and shape(w) is not None and len(shape(w)) == 2 else None
+
+
+def _mm_of(node: Node) -> Optional[tuple[Node, Node]]:
+    inner = skip(node)
+    return (inner.args[0], inner.args[1]) if is_call(inner, aten.mm.default) else None
+
+
+def _multi_delta(lhs: Node, rhs: Node):
+    """``mm(mask(x @ A_flat^T), B_flat)`` of the reference -> ``(x, A, B, ids)``, else None."""
+    b_perm = skip(rhs)
+    if not (is_call(b_perm, aten.permute.default) and list(b_perm.args[1]) == [0, 2, 1]):
+        return None
+    b = skip(b_perm.args[0])
+    masked = skip(lhs)
+    if not is_call(masked, aten.mul.Tensor):
+        return None
+    for shrunk, mask in (masked.args, masked.args[::-1]):
+        if not isinstance(shrunk, Node) or not isinstance(mask, Node):
+            continue
+        eq, mm = skip(mask), _mm_of(shrunk)
+        if not (is_call(eq, aten.eq.Tensor) and mm is not None):
+            continue
+        a_flat = _t_arg(mm[1])
+        if a_flat is None:
+            continue
+        a = skip(a_flat)  # looks through the [L*R, in] reshape
+        if shape(a) is None or len(shape(a)) != 3 or shape(b) is None or len(shape(b)) != 3:
+            continue
+        slots = [s for s in eq.args[:2] if _is_slot_range(s, shape(a)[0])]
+        ids = [s for s in eq.args[:2] if isinstance(s, Node) and s not in slots
+               and val(s).dtype in (torch.int32, torch.int64)]
+        if len(slots) != 1 or len(ids) != 1:
+            continue
+        return mm[0], a, b, ids[0]
+    return None
+
+
+def _is_slot_range(node, n_slots) -> bool:
+    """``arange(L)`` (any view of it): the slot numbers the reference's one-hot compares token ids with."""
+    src = skip(node)
+    return is_call(src, torch.ops.prims.iota.default, aten.arange.default, aten.arange.start,
+                   aten.arange.start_step) and same_shape(src, (n_slots,))
+
+
+def _peft_delta(term) -> Optional[tuple[Node, Node, Node, float]]:
+    """``mm(mm(x, A^T), B^T) * s`` -> ``(x, A, B, s)``, else None."""
+    scale = 1.0
+    if isinstance(term, Node):
+        node = skip(term)
+        if is_call(node, aten.mul.Tensor) and isinstance(node.args[1], (int, float)):
+            scale, term = float(node.args[1]), node.args[0]
+        mm = _mm_of(term)
+        if mm is None:
+            return None
+        lhs, rhs = mm
+    else:
+        _, lhs, rhs = term
+    b = _transposed_2d(rhs)
+    inner = _mm_of(lhs)
+    if b is None or inner is None:
+        return None
+    a = _transposed_2d(inner[1])
+    if a is None:
+        return None
+    return inner[0], a, b, scale
+
+
+def match_linear(anchor: Node) -> LinearMatch:
+    """Read ``x W^T (+ b) + delta`` at an ``add``/``addmm`` anchor."""
+    base, deltas, bias = [], [], []
+    for term in _terms(anchor):
+        if isinstance(term, tuple):
+            w = _transposed_2d(term[2])
+            if w is not None and _mm_of(term[1]) is None:
+                base.append((term[1], w))
+                continue
+            found = _multi_delta(term[1], term[2])
+            if found is not None:
+                deltas.append(("multi", found))
+                continue
+            found = _peft_delta(term)
+            if found is not None:
+                deltas.append(("peft", found))
+                continue
+            raise NoMatch(f"{anchor.name}: a matmul that is neither the base linear nor a LoRA delta")
+        found = _peft_delta(term)
+        if found is not None:
+            deltas.append(("peft", found))
+            continue
+        b = skip(term)
+        require(isinstance(b, Node) and shape(b) is not None and len(shape(b)) == 1,
+                f"{anchor.name}: term {name(b)} is no bias or matmul")
+        bias.append(b)
+    require(len(base) == 1 and len(deltas) == 1 and len(bias) <= 1,
+            f"{anchor.name}: want one base linear and one LoRA delta, got {len(base)} and {len(deltas)}")
+    (x_base, weight), (form, (x_delta, a, b, extra)) = base[0], deltas[0]
+    require(skip(x_base) is skip(x_delta), f"{anchor.name}: base and LoRA read different inputs")
+    T, n_in = shape(x_base)
+    out = shape(weight)[0]
+    require(not bias or same_shape(bias[0], (out,)), f"{anchor.name}: bias is not [out]")
+    x = find_in_chain(x_base, (T, n_in))
+    if form == "multi":
+        L, R, _ = shape(a)
+        ids = find_in_chain(extra, (T,))
+        require(shape(b)[0] == L and shape(b)[2] == R and shape(b)[1] == out, f"{anchor.name}: LoRA stack shapes")
+        return LinearMatch("multi", anchor, x, weight, bias[0] if bias else None, a, b, ids)
+    require(shape(a)[1] == n_in and shape(b)[0] == out and shape(a)[0] == shape(b)[1],
+            f"{anchor.name}: PEFT A/B shapes {shape(a)}/{shape(b)} do not fit W {shape(weight)}")
+    return LinearMatch("peft", anchor, x, weight, bias[0] if bias else None, a, b, None, extra)
+
+
+def emit_lora_linear(graph, m: LinearMatch) -> Node:
+    """Insert the ``lora_linear`` call for ``m`` and return its node."""
+    a, b, ids = m.lora_a, m.lora_b, m.token_lora_ids
+    if m.form == "peft":
+        if m.scale != 1.0:
+            b = insert_call(graph, aten.mul.Tensor, (b, m.scale))
+        a = insert_call(graph, aten.unsqueeze.default, (a, 0))
+        b = insert_call(graph, aten.unsqueeze.default, (b, 0))
+        T = shape(m.x)[0]
+        if not isinstance(T, int):
+            T = insert_call(graph, aten.sym_size.int, (m.x, 0))
+        ids = insert_call(graph, aten.full.default, ([T], 0), dict(dtype=torch.int32, device=val(m.x).device))
+    return insert_call(graph, torch.ops.moe_lora.lora_linear.default, (m.x, m.weight, a, b, ids, m.bias))

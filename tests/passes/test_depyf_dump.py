@@ -1,0 +1,42 @@
+"""``dump_graphs``: the depyf dump of a compiled module names the fused ops in its post-grad graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moe_lora_compile.compile import compile as compile_model
+from moe_lora_compile.inspect import dump_graphs
+from moe_lora_compile.ops.reference import lora_linear_reference
+
+from test_reference_patterns import H, L, R, MoELayer
+
+
+class OneLayer(nn.Module):
+    """A LoRA linear feeding one MoE layer, both through the references."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = MoELayer(torch.float32, "concat", "silu")
+        self.w, self.a, self.b = (nn.Parameter(torch.randn(*s) / 4, requires_grad=False)
+                                  for s in ((H, H), (L, R, H), (L, H, R)))
+
+    def forward(self, x, ids):
+        return self.moe(lora_linear_reference(x, self.w, self.a, self.b, ids), ids)
+
+
+def test_dump_names_the_fused_ops(tmp_path):
+    pytest.importorskip("depyf")
+    torch.manual_seed(0)
+    model = OneLayer()
+    compiled = compile_model(model, fullgraph=True)
+    x, ids = torch.randn(6, H), torch.tensor([0, -1, 2, 1, -1, 0], dtype=torch.int32)
+    report = dump_graphs(compiled, (x, ids), str(tmp_path))
+    assert report.op_counts() == {"fused_moe_lora": 1, "lora_linear": 1}
+    assert len(report.post_grad_files) == 1
+    text = open(report.post_grad_files[0]).read()
+    assert "torch.ops.moe_lora.fused_moe_lora.default(" in text and "torch.ops.moe_lora.lora_linear.default(" in text
+    assert "fused_moe_lora x1" in report.summary() and "lora_linear x1" in report.summary()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, ids), model(x, ids), atol=1e-4, rtol=1e-4)

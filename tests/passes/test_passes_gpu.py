@@ -1,0 +1,48 @@
+"""On the H200 (``pytest -m gpu``): the pass in CUDA graphs, where the fused ops run the Triton kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pass_helpers import RecordingPass, pass_always_runs
+from test_hf_experts import CASES, ExpertsZoo
+from test_reference_patterns import H, MOE_VARIANTS, N_LINEAR, Zoo
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_reference_variants_on_cuda(dtype):
+    torch.manual_seed(0)
+    model = Zoo(dtype).cuda()
+    recorder = RecordingPass()
+    compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": recorder})
+    with pass_always_runs(recorder):
+        for T in (5, 37):
+            x = torch.randn(T, H, dtype=dtype, device="cuda")
+            torch._dynamo.mark_dynamic(x, 0)
+            for i, (got, want) in enumerate(zip(compiled(x), model(x))):
+                torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=lambda m: f"output {i}: {m}")
+    assert len(recorder.graphs) == 1
+    assert recorder.graphs[0]["fused_moe_lora"] == len(MOE_VARIANTS)
+    assert recorder.graphs[0]["lora_linear"] == N_LINEAR
+
+
+def test_hf_experts_on_cuda():
+    torch.manual_seed(0)
+    model = ExpertsZoo().cuda()
+    recorder = RecordingPass()
+    compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": recorder})
+    with pass_always_runs(recorder):
+        x = torch.randn(9, 32, dtype=torch.bfloat16, device="cuda")
+        for got, want in zip(compiled(x), model(x)):
+            torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    assert recorder.graphs[0]["fused_moe_lora"] == len(CASES)
+
+
+def test_demo_on_cuda(capsys):
+    from moe_lora_compile.__main__ import main
+
+    assert main(["demo", "--device", "cuda", "--dtype", "bfloat16"]) == 0
+    assert "ops run Triton kernels" in capsys.readouterr().out
