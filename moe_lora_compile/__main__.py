@@ -17,6 +17,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -48,7 +49,9 @@ def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, 
     base = AutoModelForCausalLM.from_config(tiny_config(family)).eval().to(device=device, dtype=dtype)
     model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank)
     for seed, (name, rank) in enumerate(zip(ADAPTERS, ADAPTER_RANKS)):
-        peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(family, r=rank, lora_alpha=2 * rank))
+        with warnings.catch_warnings():  # PEFT 0.21 calls a property transformers 5.x deprecated; not ours
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(family, r=rank, lora_alpha=2 * rank))
         randomize_lora_(peft_model, seed=seed)
         path = os.path.join(workdir, name)
         peft_model.save_pretrained(path)
