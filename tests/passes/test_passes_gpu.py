@@ -19,7 +19,7 @@ def test_reference_variants_on_cuda(dtype):
     recorder = RecordingPass()
     compiled = torch.compile(model, fullgraph=True, options={"post_grad_custom_post_pass": recorder})
     with pass_always_runs(recorder):
-        for T in (5, 37):
+        for T in (5, 29):  # T <= len(TOKEN_IDS) (32): the Zoo slices its id buffer
             x = torch.randn(T, H, dtype=dtype, device="cuda")
             torch._dynamo.mark_dynamic(x, 0)
             for i, (got, want) in enumerate(zip(compiled(x), model(x))):
