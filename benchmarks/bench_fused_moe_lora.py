@@ -14,6 +14,13 @@ sets, so expert weights are not L2-warm):
   ``--hbm-tbs`` TB/s; GB/s and % of floor for ``ours``.
 
     python benchmarks/bench_fused_moe_lora.py --json results.json --md results.md [--quick]
+
+``--decode-ablation`` (a few minutes) instead times, per model, T in {1, 8, 32}, L=4, R in {16, 64} (every token
+with an adapter), in the same run and conditions: the whole layer with programmatic dependent launch off/on and,
+where the config's path is per-pair, the w2 + top-k sum fused/unfused; the per-pair path forced where the config
+picks the sorted one; the op's default; and base-only (every token -1) with PDL off/on:
+
+    python benchmarks/bench_fused_moe_lora.py --decode-ablation --json ablation.json --md ablation.md
 """
 
 from __future__ import annotations
@@ -317,6 +324,103 @@ def targets(results) -> str:
     return "\n".join(out)
 
 
+# --decode-ablation: (column, config overrides, per-pair configs only). The launcher is called directly so that
+# one run can switch PDL and the top-k fusion per call (``config["pdl"]``, ``config["fuse_topk_sum"]``).
+# "pdl" = PDL with the late trigger (the default), "early" = trigger at program start; "fused" = top-k sum in the
+# w2 kernel (per-pair path), "unfused" = per-pair w2 rows + torch sum (the sorted path is always "unfused").
+ABLATION_VARIANTS = [
+    ("nopdl_unfused", {"pdl": False, "fuse_topk_sum": False}, False),
+    ("pdl_unfused", {"pdl": "late", "fuse_topk_sum": False}, False),
+    ("early_unfused", {"pdl": "early", "fuse_topk_sum": False}, False),
+    ("nopdl_fused", {"pdl": False, "fuse_topk_sum": True}, True),
+    ("pdl_fused", {"pdl": "late", "fuse_topk_sum": True}, True),
+    ("early_fused", {"pdl": "early", "fuse_topk_sum": True}, True),
+]
+# per-pair path forced (fused w2 shrink and top-k sum, PDL late) where the tuned/heuristic config is sorted
+FORCED_PER_PAIR = {"per_pair": True, "fuse_shrink2": True, "fuse_topk_sum": True, "pdl": "late"}
+ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "op_us"] + [v[0] for v in ABLATION_VARIANTS] + [
+    "forced_per_pair", "base_nopdl", "base_pdl", "floor_us", "best", "best_us", "best_vs_floor", "old_vs_floor"]
+
+
+def launcher_call(layer: Layer, lora, batch, cfg: dict):
+    from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton
+    g = layer.geometry
+    x, ids, w, lora_ids = batch
+    return lambda: fused_moe_lora_triton(
+        x, ids, w, lora_ids, layer.w13, layer.w2, *lora, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
+        layout=g.layout, activation=g.activation, config=cfg)
+
+
+def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, warmup_ms: int, rep_ms: int,
+                    on_row=None):
+    from moe_lora_compile.ops.triton.configs import get_config
+    from moe_lora_compile.ops.triton.pdl import pdl_supported
+    if not pdl_supported(torch.device("cuda")):
+        print("# PDL is not supported here (pre-SM90 or this Triton lacks it): pdl columns equal nopdl", flush=True)
+    results = []
+    total = len(models) * len(tokens) * len(ranks)
+    for model in models:
+        g = MODELS[model]
+        torch.cuda.empty_cache()
+        lay = [make_layer(g, seed) for seed in (1, 2)]
+        for T in tokens:
+            batches = [make_batch(g, T, L, 0.0, seed=100 + s) for s in range(sets)]
+            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], -1)) for b in batches]
+            for R in ranks:
+                t0 = time.time()
+                stacks = [lora_stacks(lay[s % 2], L, R) for s in range(sets)]
+                cfg = get_config(torch.device("cuda"), g.E, g.H, g.I, R, T, g.k)
+
+                def timed(overrides, bs=batches):
+                    c = dict(cfg, **overrides)
+                    return time_graph([launcher_call(lay[s % 2], stacks[s], bs[s], c) for s in range(sets)],
+                                      warmup_ms, rep_ms)
+
+                row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg["per_pair"] else "sorted"}
+                row["op_us"] = time_graph([op_call(lay[s % 2], stacks[s], batches[s]) for s in range(sets)],
+                                          warmup_ms, rep_ms)
+                for name, overrides, per_pair_only in ABLATION_VARIANTS:
+                    if per_pair_only and not cfg["per_pair"]:
+                        row[name] = None  # sorted path: no top-k fusion, same as the *_unfused column
+                        continue
+                    row[name] = timed(overrides)
+                row["forced_per_pair"] = None if cfg["per_pair"] else timed(FORCED_PER_PAIR)
+                row["base_nopdl"] = timed({"pdl": False}, base_batches)
+                row["base_pdl"] = timed({"pdl": "late"}, base_batches)
+                nbytes = sum(bytes_moved(g, R, b) for b in batches) / sets
+                row["floor_us"] = nbytes / (hbm_tbs * 1e12) * 1e6
+                candidates = {k: row[k] for k in [v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair"]
+                              if row[k] is not None}
+                row["best"] = min(candidates, key=candidates.get)
+                row["best_us"] = candidates[row["best"]]
+                row["best_vs_floor"] = row["best_us"] / row["floor_us"]
+                row["old_vs_floor"] = row["nopdl_unfused"] / row["floor_us"]  # the previous session's launches
+                results.append(row)
+                if on_row is not None:
+                    on_row(results)
+                print(f"[{len(results)}/{total}] " + " ".join(f"{k}={_fmt(row.get(k))}" for k in ABLATION_COLUMNS)
+                      + f"  ({time.time() - t0:.1f}s)", flush=True)
+        del lay
+    return results
+
+
+def ablation_markdown(results) -> str:
+    lines = ["| " + " | ".join(ABLATION_COLUMNS) + " |", "|" + "---|" * len(ABLATION_COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r.get(k)) for k in ABLATION_COLUMNS) + " |" for r in results]
+    notes = [
+        "",
+        "us per layer call (median of CUDA-graph replays, L2 flushed, weights alternating two sets), bf16, every "
+        "token with an adapter. `op_us`: torch.ops.moe_lora.fused_moe_lora with the default config and PDL "
+        "setting; `nopdl_unfused`: per-pair w2 rows + torch top-k sum (sorted path: always), PDL off (the previous "
+        "session's launches); `pdl_*`: PDL, next kernel launched after the main loop; `early_*`: PDL, next kernel "
+        "launched at program start; `*_fused`: top-k sum inside the w2 kernel (per-pair path only); "
+        "`forced_per_pair`: per-pair path with both fusions and late PDL where the config picks the sorted one; "
+        "`base_*`: every token -1 (default fusion), PDL off / late; `old_vs_floor` / `best_vs_floor`: "
+        "nopdl_unfused / the best variant over the HBM floor (goal <= 1.3).",
+    ]
+    return "\n".join(lines + notes)
+
+
 def profile(configs):
     """Per-kernel CUDA time of our op (torch.profiler, eager, after a warm-up), one table per config."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -337,7 +441,8 @@ def profile(configs):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt-oss-20b", "qwen3-30b-a3b"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048])
+    p.add_argument("--tokens", nargs="+", type=int, default=None,
+                   help="default: 1 8 32 128 512 2048 (--decode-ablation: 1 8 32)")
     p.add_argument("--adapters", nargs="+", type=int, default=[1, 4, 16])
     p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
     p.add_argument("--no-lora-fractions", nargs="+", type=float, default=list(BENCHMARK_GRID.no_lora_fraction))
@@ -348,9 +453,33 @@ def main(argv=None):
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--quick", action="store_true", help="T in {1, 32, 512}, L=4, R=16, no -1 tokens")
     p.add_argument("--profile", action="store_true", help="per-kernel times (torch.profiler) instead of timing")
+    p.add_argument("--decode-ablation", action="store_true",
+                   help="PDL off/on x top-k sum fused/unfused (+ base-only) at decode sizes: T in {1, 8, 32} "
+                        "(or --tokens if given), L=4, R in {16, 64} (or --ranks), --models; a few minutes")
     p.add_argument("--json")
     p.add_argument("--md")
     a = p.parse_args(argv)
+    if a.tokens is None:
+        a.tokens = [1, 8, 32] if a.decode_ablation else [1, 8, 32, 128, 512, 2048]
+    if a.decode_ablation:
+        tokens = a.tokens
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; decode "
+              f"ablation: {a.models} T={tokens} L=4 R={a.ranks}", flush=True)
+
+        def save_ablation(results):
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "triton": triton.__version__, "argv": sys.argv, "results": results}, f, indent=1)
+
+        results = decode_ablation(a.models, tokens, a.ranks, 4, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms,
+                                  on_row=save_ablation)
+        text = ablation_markdown(results) + "\n"
+        print(text)
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(text)
+        return
     if a.quick:
         a.tokens, a.adapters, a.ranks, a.no_lora_fractions = [1, 32, 512], [4], [16], [0.0]
     configs = [BenchConfig(m, T, L, R, f) for m in a.models for T in a.tokens for L in a.adapters

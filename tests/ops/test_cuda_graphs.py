@@ -1,5 +1,6 @@
 """CUDA-graph capture and replay of the ``moe_lora`` ops equal eager calls, also after the static inputs (tokens,
-routing, adapter ids with -1) are rewritten in place. GPU only (``pytest -m gpu``)."""
+routing, adapter ids with -1) are rewritten in place, with programmatic dependent launch on and off
+(``MOE_LORA_PDL``). GPU only (``pytest -m gpu``)."""
 
 from __future__ import annotations
 
@@ -33,12 +34,19 @@ def _refill(static_args, fresh_args):
             dst.copy_(src)
 
 
+@pytest.fixture(params=["0", "1"], ids=["pdl-off", "pdl-on"])
+def pdl_env(request, monkeypatch):
+    monkeypatch.setenv("MOE_LORA_PDL", request.param)
+    return request.param == "1"
+
+
 @pytest.mark.parametrize("geometry,T", [
-    (GPT_OSS_20B, 1),     # decode: per-pair path, interleaved layout + biases
+    (GPT_OSS_20B, 1),     # decode: per-pair path (w2 + top-k sum fused), interleaved layout + biases
+    (QWEN3_30B_A3B, 1),   # decode: per-pair path, k=8, concat layout
     (QWEN3_30B_A3B, 8),   # sorted path, concat layout
     (QWEN3_30B_A3B, 96),  # sorted path, larger blocks
 ])
-def test_fused_moe_lora_graph_replay_equals_eager(geometry, T):
+def test_fused_moe_lora_graph_replay_equals_eager(geometry, T, pdl_env):
     case = _real_case(geometry, T, L=4, R=16, lora="mixed")
     args, kwargs = make_inputs(case, dtype=torch.bfloat16, device="cuda")
     static = [a.clone() for a in args]
@@ -57,6 +65,36 @@ def test_fused_moe_lora_graph_replay_equals_eager(geometry, T):
     eager = torch.ops.moe_lora.fused_moe_lora(*fresh[:4], *args[4:], **kwargs)
     torch.testing.assert_close(y_static, eager)
     assert not torch.equal(y_static, torch.ops.moe_lora.fused_moe_lora(*args, **kwargs))
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_graph_of_chained_layers_with_pdl(T, pdl_env):
+    """Three layers back to back in one graph, each reading the previous one's output (the first kernel of a
+    layer's chain depends on the last kernel of the previous one): replays equal eager, and stay stable."""
+    case = _real_case(QWEN3_30B_A3B, T, L=4, R=16, lora="mixed")
+    args, kwargs = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    static = [a.clone() for a in args]
+
+    def layers():
+        y = static[0]
+        for _ in range(3):
+            y = torch.ops.moe_lora.fused_moe_lora(y, *static[1:], **kwargs)
+        return y
+
+    graph, y_static = _capture(layers)
+    for _ in range(3):
+        static[0].copy_(args[0])
+        graph.replay()
+        y = args[0]
+        for _ in range(3):
+            y = torch.ops.moe_lora.fused_moe_lora(y, *args[1:], **kwargs)
+        torch.testing.assert_close(y_static, y)
+    static[0].mul_(-1)
+    graph.replay()
+    y = -args[0]
+    for _ in range(3):
+        y = torch.ops.moe_lora.fused_moe_lora(y, *args[1:], **kwargs)
+    torch.testing.assert_close(y_static, y)
 
 
 def test_lora_linear_graph_replay_equals_eager():

@@ -25,15 +25,20 @@ _GEMM = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_s
 _SHRINK = {"BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
 
 
-def tiny_config(per_pair: bool, fuse_shrink2: bool = False) -> dict:
-    return {"per_pair": per_pair, "fuse_shrink2": fuse_shrink2, "BLOCK_M": 16, "w13": dict(_GEMM), "w2": dict(_GEMM),
-            "shrink": dict(_SHRINK)}
+def tiny_config(per_pair: bool, fuse_shrink2: bool = False, fuse_topk_sum: bool = True) -> dict:
+    """``fuse_topk_sum`` (per-pair mode, k > 1): the w2 kernel also sums the top-k, per 16-wide H tile (H=32/40:
+    2/3 tiles, the last one masked at H=40)."""
+    return {"per_pair": per_pair, "fuse_shrink2": fuse_shrink2, "fuse_topk_sum": fuse_topk_sum, "BLOCK_M": 16,
+            "w13": dict(_GEMM), "w2": dict(_GEMM), "shrink": dict(_SHRINK)}
 
 
 PATHS = [
     pytest.param((False, False), id="sorted"),           # routed blocks per expert/slot, separate w2 shrink
-    pytest.param((True, True), id="per-pair-fused"),     # one pair per block, w2 shrink fused into w13
+    pytest.param((True, True), id="per-pair-fused"),     # one pair per block, w2 shrink fused into w13, w2 + top-k
+                                                         # sum in one kernel
     pytest.param((False, True), id="sorted-fused"),      # routed blocks, w2 shrink fused into w13
+    pytest.param((True, True, False), id="per-pair-w2-then-sum"),  # per-pair w2 (one row per pair), torch top-k sum
+    pytest.param((True, False), id="per-pair-shrink2"),  # per-pair, separate w2 shrink, fused w2 + top-k sum
 ]
 
 
@@ -212,27 +217,31 @@ CASES = [
                  id="gptoss-bias-clamp"),
     # concat layout with biases and the GPT-OSS activation
     pytest.param(Case(T=3, bias=True, activation="gptoss_swiglu", lora="mixed"), id="concat-bias-swiglu"),
+    # k=5 of 8 experts (not a power of two: the top-k kernel's row tile is padded), uneven H, adapters on some
+    pytest.param(Case(T=2, H=40, E=8, k=5, L=2, lora="mixed"), id="k5-uneven-H"),
 ]
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", CASES)
 def test_fused_moe_lora_kernel_matches_loop(case, path):
-    """Both routing paths (sorted per expert/slot, one pair per block), w2 shrink fused or not, vs the loop."""
+    """Both routing paths (sorted per expert/slot, one pair per block), w2 shrink fused or not, per-pair w2 with
+    the top-k sum fused or not, vs the loop."""
     args, kwargs = make_inputs(case)
     y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path))
     assert y.shape == (case.T, case.H) and y.dtype == torch.float32
     torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
 
 
-def test_int64_ids_and_empty_batch():
+@pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
+def test_int64_ids_and_empty_batch(per_pair):
     """int64 topk_ids / token_lora_ids give the int32 result; T=0 gives an empty [0, H] output."""
     c = Case(T=4, lora="mixed")
     args, kwargs = make_inputs(c)
-    y32 = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(False))
+    y32 = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair))
     wide = list(args)
     wide[1], wide[3] = args[1].long(), args[3].long()
-    y64 = fused_moe_lora_triton(*wide, **kwargs, config=tiny_config(False))
+    y64 = fused_moe_lora_triton(*wide, **kwargs, config=tiny_config(per_pair))
     torch.testing.assert_close(y64, y32, rtol=0, atol=0)
     empty = [args[0][:0], args[1][:0], args[2][:0], args[3][:0], *args[4:]]
     assert fused_moe_lora_triton(*empty, **kwargs).shape == (0, c.H)
@@ -246,17 +255,86 @@ def test_expert_loop_reference_matches_token_loop():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_lora_changes_the_output():
+@pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])
+def test_lora_changes_the_output(per_pair):
     """Guard against a kernel that drops the LoRA delta: with vs without adapters must differ by the delta."""
     c = Case(T=4, L=2)
     args, kwargs = make_inputs(c)
     no_lora = list(args)
     no_lora[3] = torch.full_like(args[3], -1)
-    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(False))
-    y0 = fused_moe_lora_triton(*no_lora, **kwargs, config=tiny_config(False))
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair, per_pair))
+    y0 = fused_moe_lora_triton(*no_lora, **kwargs, config=tiny_config(per_pair, per_pair))
     delta_ref = reference_of(args, kwargs) - reference_of(tuple(no_lora), kwargs)
     assert delta_ref.abs().max() > 0.1
     torch.testing.assert_close((y - y0).cpu().double(), delta_ref, rtol=1e-4, atol=1e-4)
+
+
+def _aten_ops(fn) -> set:
+    """Names of the aten ops ``fn()`` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record() as rec:
+        fn()
+    return rec.names
+
+
+def test_fused_topk_sum_has_no_separate_sum():
+    """Per-pair mode with ``fuse_topk_sum``: the top-k sum happens in the w2 kernel (no torch sum, no memset);
+    with it off, a torch sum follows. Same result both ways; the fused one repeats bit for bit."""
+    args, kwargs = make_inputs(Case(T=3, k=3, L=2, lora="mixed"))
+    old = tiny_config(True, True, fuse_topk_sum=False)
+    assert "sum" in _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=old))
+    ops = _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True)))
+    assert not ops & {"sum", "zero_", "fill_", "zeros"}, ops
+    y_old = fused_moe_lora_triton(*args, **kwargs, config=old)
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True))
+    torch.testing.assert_close(y, y_old, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True)))
+
+
+def test_pdl_switches(monkeypatch):
+    """PDL: config key over env var over default (late trigger); never on without a CUDA SM90+ device (here:
+    never); the launch chain compiles every kernel with USE_PDL=mode and launches all but the first as
+    dependents."""
+    from moe_lora_compile.ops.triton import pdl
+    monkeypatch.delenv(pdl.ENV_VAR, raising=False)
+    assert pdl.pdl_requested() == pdl.pdl_requested({}) == pdl.LATE
+    assert pdl.pdl_requested({"pdl": False}) == pdl.OFF and pdl.pdl_requested({"pdl": "early"}) == pdl.EARLY
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert pdl.pdl_requested() == pdl.pdl_requested({"pdl": None}) == pdl.OFF
+    assert pdl.pdl_requested({"pdl": True}) == pdl.LATE
+    for value, mode in (("1", pdl.LATE), ("late", pdl.LATE), ("EARLY", pdl.EARLY), ("off", pdl.OFF)):
+        monkeypatch.setenv(pdl.ENV_VAR, value)
+        assert pdl.pdl_requested() == mode
+    monkeypatch.setenv(pdl.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="PDL setting"):
+        pdl.pdl_requested()
+    assert not pdl.pdl_supported(torch.device("cpu")) and pdl.use_pdl(torch.device("cpu"), {"pdl": True}) == 0
+    if DEVICE == "cpu":  # the interpreter never uses PDL, whatever the device
+        assert pdl.use_pdl(torch.device("cuda"), {"pdl": True}) == 0
+    on = pdl.LaunchChain(pdl.LATE)
+    assert [on.next(), on.next(), on.next()] == [{"USE_PDL": 2}] + [{"USE_PDL": 2, "launch_pdl": True}] * 2
+    off = pdl.LaunchChain(pdl.OFF)
+    assert [off.next(), off.next()] == [{"USE_PDL": 0}] * 2
+
+
+def test_pdl_requested_without_support_is_ignored():
+    """A config asking for PDL where it is unsupported (the interpreter) gives the same result as without."""
+    args, kwargs = make_inputs(Case(T=2, k=2, L=2, lora="mixed"))
+    for per_pair in (False, True):
+        cfg = tiny_config(per_pair, per_pair)
+        y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
+        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        torch.testing.assert_close(y_pdl, y, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("T,k,E,L,block_m", [
@@ -362,11 +440,46 @@ def test_gpu_bf16_real_shapes(geometry, T, L, R, lora):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_fp32_edge_cases(case):
-    """The CPU rows on the GPU, fp32 (ieee dots), all three kernel paths."""
+    """The CPU rows on the GPU, fp32 (ieee dots), all kernel paths of PATHS."""
     args, kwargs = make_inputs(case, device="cuda")
-    for path in ((False, False), (True, True), (False, True)):
+    for path in [p.values[0] for p in PATHS]:
         y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path))
         torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_available_on_sm90():
+    """On SM90+ with this Triton, PDL is detected (not silently off)."""
+    import triton
+
+    from moe_lora_compile.ops.triton.pdl import pdl_supported, triton_has_pdl
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs SM90+")
+    assert triton_has_pdl(), f"triton {triton.__version__} lacks gdc_wait / launch_pdl: PDL is off"
+    assert pdl_supported(torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geometry", [GPT_OSS_20B, QWEN3_30B_A3B], ids=lambda g: g.name)
+@pytest.mark.parametrize("T", [1, 3, 8, 32])
+def test_gpu_pdl_and_topk_sum_variants_agree(geometry, T):
+    """bf16, real shapes: PDL on == PDL off bit for bit; the per-pair path with the fused top-k sum and with w2 +
+    torch sum, and the sorted path, all match the fp32 reference."""
+    from moe_lora_compile.ops.triton.configs import get_config
+    c = _real_case(geometry, T, L=4, R=16, lora="mixed")
+    args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
+    ref = expert_loop_reference(*args, **kwargs)
+    base = get_config(args[0].device, c.E, c.H, c.I, c.R, T, c.k)
+    variants = [dict(base, per_pair=True, fuse_shrink2=True, fuse_topk_sum=fuse) for fuse in (True, False)]
+    if T > 1:
+        variants.append(dict(base, per_pair=False))
+    for cfg in variants:
+        y_off = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
+        y_on = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        torch.cuda.synchronize()
+        assert torch.equal(y_on, y_off), cfg
+        assert y_on.dtype == torch.bfloat16 and y_on.shape == (T, c.H)
+        assert _rel_err(y_on, ref) < 1e-2, cfg
 
 
 def _kernel_cache_size(kernel) -> int:
@@ -383,14 +496,18 @@ def test_gpu_new_token_count_does_not_recompile():
                routing._count_kernel, routing._offsets_kernel, routing._scatter_kernel)
     c = _real_case(QWEN3_30B_A3B, 40, 4, 16, "mixed")
     cfg = None
-    for T in (40, 41, 57, 64):
+    # sorted path at T=40..64, then the per-pair path (fused top-k sum) at T=1..5, same config each
+    for T, per_pair in ((40, False), (41, False), (57, False), (64, False), (1, True), (2, True), (3, True),
+                        (5, True)):
         args, kwargs = make_inputs(replace(c, T=T), dtype=torch.bfloat16, device="cuda")
         if cfg is None:
             from moe_lora_compile.ops.triton.configs import default_config
             cfg = default_config(c.E, c.H, c.I, c.R, T, c.k)
+            cfg_pp = dict(cfg, per_pair=True, fuse_shrink2=True, fuse_topk_sum=True)
             fused_moe_lora_triton(*args, **kwargs, config=cfg)
+            fused_moe_lora_triton(*(a[:4] for a in args[:4]), *args[4:], **kwargs, config=cfg_pp)
             before = [_kernel_cache_size(k) for k in kernels]
-        fused_moe_lora_triton(*args, **kwargs, config=cfg)
+        fused_moe_lora_triton(*args, **kwargs, config=cfg_pp if per_pair else cfg)
     torch.cuda.synchronize()
     assert [_kernel_cache_size(k) for k in kernels] == before
 

@@ -7,7 +7,12 @@ missing rank bucket takes the nearest tuned rank of the same layer shape. A conf
     {"per_pair": bool, "BLOCK_M": int, "fuse_shrink2": bool (optional, default per_pair),
      "w13": {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages"},
      "w2":  {same keys},
-     "shrink": {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"}}
+     "shrink": {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"},
+     optional, per-pair mode with k > 1 only:
+     "fuse_topk_sum": bool (default true: the w2 kernel also does the top-k sum, no separate sum launch),
+     optional anywhere:
+     "pdl": false | true | "early" | "late" (programmatic dependent launch, see :mod:`.pdl`; default: env
+            ``MOE_LORA_PDL``)}
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ LoRA: a block may hold rows of several adapters. The expand loops over the disti
 block (data, not a Python branch): rows of other slots and of id -1 are zeroed before the small ``tl.dot``, so
 a block with no LoRA row does no LoRA work. Each row's rank vector is computed once by the shrink kernel
 (split-K over the input dim, one fp32 slice per split, summed by the consumer while loading).
+
+Top-k sum (w2, PER_PAIR mode, ``TOPK_SUM``): the last-arriving program of a token's k pairs per N tile sums
+their fp32 rows (see :func:`moe_w2_kernel`). PDL (``USE_PDL``): every kernel waits for its predecessor first
+thing and lets its successor launch early (see :func:`grid_dependency_sync`, :mod:`.pdl`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,31 @@ DENSE = 2
 SILU = 0
 GPTOSS_SWIGLU = 1
 _NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions (a constexpr: jit code reads it)
+
+
+@triton.jit
+def grid_dependency_sync(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch (SM90+), first thing in every program of every kernel of a layer's chain,
+    before any load, store or early exit: wait until the previous kernel in the stream has finished and its
+    writes are visible. Each kernel then completes only after its predecessor did, so one wait covers the whole
+    chain (and the caching allocator's reuse of freed buffers).
+
+    ``USE_PDL``: 0 = off (compiles to nothing: interpreter, pre-SM90, a Triton without GDC); 1 = also let the
+    next kernel launch right away (``gdc_launch_dependents`` here); 2 = let it launch from
+    :func:`launch_dependents`, called after the main loop (its programs then land on SMs the main loops are
+    leaving). Both instructions are no-ops in a kernel that was not launched with ``launch_pdl``."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        if USE_PDL == 1:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def launch_dependents(USE_PDL: tl.constexpr):
+    """The late trigger of ``USE_PDL == 2`` (see :func:`grid_dependency_sync`); a program that exits without it
+    triggers at exit."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -111,11 +140,12 @@ def lora_shrink_kernel(
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, R, top_k, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = 0,
 ):
     """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
     fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
     Rows without LoRA are not written and never read. Grid (grid_m, SPLIT_K). A [L, E, R, K]."""
+    grid_dependency_sync(USE_PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     if MODE == 0:
@@ -157,6 +187,7 @@ def lora_shrink_kernel(
             part += tl.dot(x, a, input_precision=DOT_PRECISION)
         acc += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
         slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
+    launch_dependents(USE_PDL)
     if SCALE_BY_WEIGHT:
         weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
@@ -176,23 +207,30 @@ def _swizzle(pid, grid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_pairs", "grid_m"])
+@triton.jit(do_not_specialize=["num_pairs", "grid_m", "num_counters"])
 def moe_w13_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
     b_ptr, stride_bl, stride_be, stride_bn, s_ptr, num_splits, split_stride, act_ptr, topk_weights_ptr, token_lora_ptr,
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, I, R, top_k, alpha, limit,
-    a2_ptr, stride_a2l, stride_a2e, stride_a2r, s2_ptr, s2_split_stride,
+    a2_ptr, stride_a2l, stride_a2e, stride_a2r, s2_ptr, s2_split_stride, counter_ptr, num_counters,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
     (interleaved: one contiguous 2*BLOCK_N tile, split in registers).
     W13 element (e, k, n) at e*stride_we + k*stride_wk + n*stride_wn (both layouts). With FUSE_SHRINK2 it also
     writes the w2 shrink's partial rank vectors of its column tile to ``s2 [cdiv(I, BLOCK_N), rows, R]`` (A2
-    [L, E, R, I]); worth it for small batches (per-pair mode), where it saves a launch."""
+    [L, E, R, I]); worth it for small batches (per-pair mode), where it saves a launch. With ZERO_COUNTERS it
+    zeroes ``counter [num_counters]`` int32 for the w2 kernel's top-k sum (no memset launch)."""
+    grid_dependency_sync(USE_PDL)
+    if ZERO_COUNTERS:
+        offs_c = tl.arange(0, 128)
+        for c0 in range(tl.program_id(0) * 128, num_counters, tl.num_programs(0) * 128):
+            tl.store(counter_ptr + c0 + offs_c, tl.zeros([128], dtype=tl.int32), mask=c0 + offs_c < num_counters)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(I, BLOCK_N), GROUP_SIZE_M)
     if MODE == 0:
         if pid_m >= tl.load(num_blocks_ptr):
@@ -267,6 +305,7 @@ def moe_w13_kernel(
             gate += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=j_mask,
                             other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=j_mask, other=0.0).to(tl.float32)[None, :]
+    launch_dependents(USE_PDL)
     if ACTIVATION == 0:
         act = gate * tl.sigmoid(gate) * up
     else:
@@ -301,14 +340,22 @@ def moe_w2_kernel(
     b_ptr, stride_bl, stride_be, stride_bn, s_ptr, num_splits, split_stride, out_ptr, stride_out, topk_weights_ptr,
     token_lora_ptr,
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, N, R, top_k,
+    counter_ptr, y_ptr, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_OUTPUT: tl.constexpr,
-    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM (and lora_linear).
 
     ``in`` rows are block rows (act), or tokens in DENSE mode; W element (e, k, n) at e*stride_we + k*stride_wk +
-    n*stride_wn; B element (l, e, n, r) at l*stride_bl + e*stride_be + n*stride_bn + r."""
+    n*stride_wn; B element (l, e, n, r) at l*stride_bl + e*stride_be + n*stride_bn + r.
+
+    TOPK_SUM (PER_PAIR mode): ``out`` is an fp32 scratch [pairs, N]; the program that finishes last among the
+    k pairs of a token (per N tile; ``counter [T, cdiv(N, BLOCK_N)]`` int32, zeroed by the w13 kernel) sums the
+    k fp32 rows in pair order and writes ``y [T, N]`` (x.dtype): the top-k sum without its own launch,
+    deterministic (fixed order, no float atomics), with the per-pair grid's parallelism."""
+    grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
     if MODE == 0:
         if pid_m >= tl.load(num_blocks_ptr):
@@ -329,6 +376,7 @@ def moe_w2_kernel(
     w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     acc = _expert_gemm(in_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
                        DOT_PRECISION)
+    launch_dependents(USE_PDL)
 
     lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
     has_lora = valid & (lora >= 0)
@@ -345,3 +393,17 @@ def moe_w2_kernel(
         acc = acc * weight[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if TOPK_SUM:
+        # Arrive: all threads' partial stores happen before one thread's acq_rel atomic (release side).
+        tl.debug_barrier()
+        tok = pid_m // top_k
+        arrived = tl.atomic_add(counter_ptr + tok * tl.cdiv(N, BLOCK_N) + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == top_k - 1:  # the token's other k-1 partials of this tile are written and visible
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j0 in range(0, top_k, BLOCK_M):
+                rows_j = j0 + offs_m
+                part = tl.load(out_ptr + (tok * top_k + rows_j).to(tl.int64)[:, None] * stride_out + offs_n[None, :],
+                               mask=(rows_j < top_k)[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
+                y += tl.sum(part, axis=0)
+            tl.store(y_ptr + tok.to(tl.int64) * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+

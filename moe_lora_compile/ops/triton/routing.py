@@ -5,16 +5,21 @@ the device (``num_blocks [1]``). Pairs of one expert are padded together (one ex
 they are ordered by adapter slot so a block sees few distinct adapters. Order inside one (expert, adapter) segment
 is arbitrary (atomics); each row's result does not depend on its neighbours.
 
-Four launches: one memset, count, offsets (one program), scatter.
+Four launches: one memset, count, offsets (one program), scatter. With a :class:`.pdl.LaunchChain` the three
+Triton kernels are the start of the layer's PDL chain (count is its first kernel: it follows the memset).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from .moe_kernels import grid_dependency_sync
+from .pdl import LaunchChain
 
 CHUNK = 256  # pairs per program in the count/scatter kernels
 
@@ -38,8 +43,9 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit(do_not_specialize=["num_pairs", "num_rows"])
 def _count_kernel(topk_ids_ptr, token_lora_ptr, counts_ptr, row_pair_ptr, num_pairs, num_rows, top_k,
-                  NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr):
+                  NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """counts[e*(L+1) + l+1] += 1 per pair; also fills row_pair with -1 (padding)."""
+    grid_dependency_sync(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     tl.store(row_pair_ptr + offs, tl.full([CHUNK], -1, tl.int32), mask=offs < num_rows)
     in_range = offs < num_pairs
@@ -51,8 +57,9 @@ def _count_kernel(topk_ids_ptr, token_lora_ptr, counts_ptr, row_pair_ptr, num_pa
 @triton.jit(do_not_specialize=["grid_m"])
 def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_blocks_ptr, grid_m, num_experts,
                     BLOCK_M: tl.constexpr, NUM_SLOTS_P1: tl.constexpr, E_BLOCK: tl.constexpr,
-                    S_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr):
+                    S_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """One program: segment start rows (into cursor), expert of each block, number of blocks used."""
+    grid_dependency_sync(USE_PDL)
     offs_e = tl.arange(0, E_BLOCK)
     offs_s = tl.arange(0, S_BLOCK)
     mask = (offs_e[:, None] < num_experts) & (offs_s[None, :] < NUM_SLOTS_P1)
@@ -75,8 +82,9 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_blocks_ptr, gr
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, num_pairs, top_k,
-                    NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr):
+                    NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
     """row_pair[cursor[segment]++] = pair."""
+    grid_dependency_sync(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
@@ -86,8 +94,11 @@ def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, num_
 
 
 def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts: int, num_slots: int,
-               block_m: int) -> Routing:
-    """topk_ids [T, k] int, token_lora_ids [T] int (-1 = none) -> :class:`Routing` for ``num_slots`` adapters."""
+               block_m: int, chain: Optional[LaunchChain] = None) -> Routing:
+    """topk_ids [T, k] int, token_lora_ids [T] int (-1 = none) -> :class:`Routing` for ``num_slots`` adapters.
+
+    ``chain``: the PDL launch chain these kernels start (default: none, plain launches)."""
+    chain = chain if chain is not None else LaunchChain(0)
     T, top_k = topk_ids.shape
     num_pairs = T * top_k
     grid_m = max_blocks(num_pairs, num_experts, block_m)
@@ -101,10 +112,13 @@ def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts
     topk_flat = topk_ids.reshape(-1)
     lora_ids = token_lora_ids.contiguous()
     _count_kernel[(triton.cdiv(max(num_pairs, num_rows), CHUNK),)](
-        topk_flat, lora_ids, counts, row_pair, num_pairs, num_rows, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK)
+        topk_flat, lora_ids, counts, row_pair, num_pairs, num_rows, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
+        **chain.next())
     _offsets_kernel[(1,)](
         counts, cursor, block_expert, num_blocks, grid_m, num_experts, BLOCK_M=block_m, NUM_SLOTS_P1=num_slots + 1,
-        E_BLOCK=triton.next_power_of_2(num_experts), S_BLOCK=triton.next_power_of_2(num_slots + 1), B_CHUNK=64)
+        E_BLOCK=triton.next_power_of_2(num_experts), S_BLOCK=triton.next_power_of_2(num_slots + 1), B_CHUNK=64,
+        **chain.next())
     _scatter_kernel[(triton.cdiv(num_pairs, CHUNK),)](
-        topk_flat, lora_ids, cursor, row_pair, num_pairs, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK)
+        topk_flat, lora_ids, cursor, row_pair, num_pairs, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
+        **chain.next())
     return Routing(row_pair, block_expert, num_blocks, grid_m)
