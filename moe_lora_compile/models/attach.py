@@ -6,13 +6,16 @@ Per-token adapter ids live in one int32 buffer ``token_lora_ids [max_tokens]`` o
 every forward, prefill and decode alike (decode steps have one token per sequence), so new adapter mixes never
 recompile. When a batch has more than ``max_tokens`` tokens the buffer is reallocated (doubled until it fits) and
 re-registered everywhere: compiled graphs and CUDA graphs captured before then hold the old buffer, so size
-``max_tokens`` for the largest batch (default 8192).
+``max_tokens`` for the largest batch (default 8192). Code that runs the wrapped model itself (CUDA-graph capture,
+:mod:`moe_lora_compile.graphs`) fills the buffer with ``set_token_lora_ids`` inside ``manual_token_lora_ids()``,
+where the hook stays out of the way.
 
 Compile the wrapped model (``mm.model``), not the wrapper: the wrapper maps adapter names to slots on the host.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional, Sequence
 
@@ -52,6 +55,7 @@ class MultiLoRAModel(nn.Module):
         self.register_buffer("token_lora_ids", torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int32,
                                                           device=device), persistent=False)
         self._sequence_slots = torch.full((1,), NO_ADAPTER, dtype=torch.int32)
+        self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
         experts = self._attach_experts(use_ops)
         linears = self._attach_linears(target_modules, use_ops)
         self.slots = AdapterSlots(experts, linears, max_loras)
@@ -138,19 +142,62 @@ class MultiLoRAModel(nn.Module):
         self.slots.clear(name)
 
     # --- running ---------------------------------------------------------------------------------------------
+    def _slots_of(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> list[int]:
+        """One slot per sequence (``-1`` = none) from ``adapters``, validated: length, names."""
+        if adapters is None:
+            return [NO_ADAPTER] * batch_size
+        if isinstance(adapters, str) or len(adapters) != batch_size:
+            raise ValueError(f"adapters must be a list with one adapter name (or None) per sequence "
+                             f"({batch_size}), got {adapters!r}")
+        return [NO_ADAPTER if a is None else self.slots.slot_of(a) for a in adapters]
+
     def _select(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> None:
         """Per-sequence slots from ``adapters`` (validated: length, names) for the next forward/generate."""
-        if adapters is None:
-            slots = [NO_ADAPTER] * batch_size
-        else:
-            if isinstance(adapters, str) or len(adapters) != batch_size:
-                raise ValueError(f"adapters must be a list with one adapter name (or None) per sequence "
-                                 f"({batch_size}), got {adapters!r}")
-            slots = [NO_ADAPTER if a is None else self.slots.slot_of(a) for a in adapters]
-        self._sequence_slots = torch.tensor(slots, dtype=torch.int32)
+        self._sequence_slots = torch.tensor(self._slots_of(adapters, batch_size), dtype=torch.int32)
+
+    @torch.no_grad()
+    def set_token_lora_ids(self, adapters: Optional[Sequence[Optional[str]]], seq_len: int, *,
+                           batch_size: Optional[int] = None) -> Tensor:
+        """Write ``token_lora_ids[:batch_size * seq_len]`` in place (one host-to-device copy) and return that view.
+
+        Sequence ``b < len(adapters)`` gets ``adapters[b]``'s slot on each of its ``seq_len`` tokens (row-major, as
+        the model flattens ``[B, S]``); padding sequences ``len(adapters) <= b < batch_size`` get ``-1``.
+        ``adapters=None`` means no adapter on every row (then ``batch_size`` is required). Names are validated
+        exactly as in :meth:`forward`. Never reallocates the buffer: more tokens than it holds is a ValueError.
+        For callers that run the wrapped model themselves, e.g. inside :meth:`manual_token_lora_ids`.
+        """
+        if adapters is None and batch_size is None:
+            raise ValueError("batch_size is required when adapters is None")
+        num_real = batch_size if adapters is None else 0 if isinstance(adapters, str) else len(adapters)
+        slots = self._slots_of(adapters, num_real)  # raises for a bare str, like forward()
+        batch_size = num_real if batch_size is None else batch_size
+        if batch_size < num_real:
+            raise ValueError(f"batch_size ({batch_size}) is smaller than the number of adapters entries ({num_real})")
+        slots += [NO_ADAPTER] * (batch_size - num_real)
+        num_tokens = batch_size * seq_len
+        if num_tokens > self.token_lora_ids.numel():
+            raise ValueError(f"seq_len: {batch_size} x {seq_len} tokens exceed token_lora_ids "
+                             f"({self.token_lora_ids.numel()}); attach with a larger max_tokens")
+        ids = torch.tensor(slots, dtype=torch.int32).repeat_interleave(seq_len)
+        view = self.token_lora_ids[:num_tokens]
+        view.copy_(ids)
+        return view
+
+    @contextlib.contextmanager
+    def manual_token_lora_ids(self):
+        """Within this context the forward pre-hook leaves ``token_lora_ids`` alone: the caller fills it (e.g. with
+        :meth:`set_token_lora_ids`) before calling ``self.model`` directly. Needed while capturing CUDA graphs,
+        where the hook's host-to-device copy must not be recorded."""
+        previous, self._manual_ids = self._manual_ids, True
+        try:
+            yield self
+        finally:
+            self._manual_ids = previous
 
     def _fill_token_lora_ids(self, module, args, kwargs):
         """Forward pre-hook: ``token_lora_ids[:B*S]`` <- each sequence's slot, repeated over its S tokens."""
+        if self._manual_ids:
+            return
         tokens = kwargs.get("inputs_embeds")
         if tokens is None:
             tokens = kwargs.get("input_ids", args[0] if args else None)

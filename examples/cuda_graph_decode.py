@@ -1,0 +1,88 @@
+"""Decode a mixed-adapter batch with one CUDA-graph replay per step, then speculative decoding, then a hot swap.
+
+    python examples/cuda_graph_decode.py [--family qwen3_moe] [--dtype bfloat16] [--max-new-tokens 32]
+
+Builds the demo's tiny random MoE model with three PEFT adapters (``python -m moe_lora_compile demo``), attaches it
+with ``use_ops=True`` (the Triton kernels on a GPU), captures decode graphs for batch buckets 1, 2, 4 and 8, and
+checks greedy generation against ``mm.generate``. Without CUDA it says so and runs the same static-buffer steps
+eagerly (``capture=False``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+import time
+
+import torch
+
+from moe_lora_compile.__main__ import ADAPTERS, build
+from moe_lora_compile.graphs import DecodeGraphs
+from moe_lora_compile.models import attach
+
+
+def _timed(fn):
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", default="qwen3_moe")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    args = parser.parse_args(argv)
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        print("no CUDA device: running the decode steps eagerly (capture=False), same buffers and logic, no graphs")
+    with tempfile.TemporaryDirectory() as workdir:
+        setup = build(args.family, dtype=getattr(torch, args.dtype), device=device, batch=3, seq_len=8,
+                      workdir=workdir)
+        mm = attach(copy.deepcopy(setup.base), max_loras=4, max_rank=8, use_ops=cuda)
+        for name in ADAPTERS:
+            mm.load_adapter(name, f"{workdir}/{name}")
+        prompt, adapters = setup.input_ids, ["alpha", None, "gamma"]
+        n = args.max_new_tokens
+
+        graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=8 + 3 * n, capture=cuda)
+        graphs.capture()
+        ours, t_graphs = _timed(lambda: graphs.generate(prompt, adapters=adapters, max_new_tokens=n))
+        ours, t_graphs = _timed(lambda: graphs.generate(prompt, adapters=adapters, max_new_tokens=n))
+        theirs, t_eager = _timed(lambda: mm.generate(prompt, adapters=adapters, max_new_tokens=n, do_sample=False))
+        same = torch.equal(ours, theirs)
+        label = "graph replay" if cuda else "static steps, eager"
+        print(f"{args.family} {args.dtype} on {device}: batch {len(adapters)} (bucket {graphs.bucket_for(3)}), "
+              f"adapters {adapters}, {ours.shape[1] - prompt.shape[1]} new tokens")
+        print(f"  {label}: {t_graphs * 1e3:.1f} ms; mm.generate: {t_eager * 1e3:.1f} ms; "
+              f"tokens identical: {same}")
+
+        # speculative decoding: 2 draft tokens per step from a toy drafter (repeat the last token); the verify step
+        # keeps what greedy decoding agrees with, so the tokens are the same whatever the drafts
+        spec = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=8 + 3 * n, num_speculative_tokens=2, capture=cuda)
+        spec.capture()
+        drafter = lambda seqs: torch.stack([s[-1:].repeat(2) for s in seqs])
+        spec_out = spec.generate(prompt, adapters=adapters, max_new_tokens=n, draft=drafter)
+        print(f"  speculative (k=2, repeat-last drafter): tokens identical: {torch.equal(spec_out, theirs)}")
+
+        # hot swap: new weights in alpha's slot, same graphs
+        mm.load_adapter("alpha", f"{workdir}/beta", replace=True)
+        swapped = graphs.generate(prompt, adapters=adapters, max_new_tokens=n)
+        check = mm.generate(prompt, adapters=adapters, max_new_tokens=n, do_sample=False)
+        print(f"  after hot-swapping 'alpha': tokens identical: {torch.equal(swapped, check)}; "
+              f"graphs captured in all: {graphs.num_captures + spec.num_captures}")
+        ok = same and torch.equal(spec_out, theirs) and torch.equal(swapped, check)
+    print("OK" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

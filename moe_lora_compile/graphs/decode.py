@@ -1,0 +1,482 @@
+"""CUDA graphs of the decode step of a :class:`~moe_lora_compile.models.MultiLoRAModel`, one per batch bucket.
+
+One step feeds ``q = 1 + num_speculative_tokens`` tokens per sequence (``q = 1``: plain decode; ``q > 1``: the
+verify step of speculative decoding, which scores the draft tokens) and returns their logits ``[b, q, V]``. A batch
+of ``b`` sequences runs in the smallest bucket ``B >= b``; rows ``b..B-1`` are padding (pad token, adapter ``-1``)
+and are dropped from the result.
+
+Everything a step reads lives in static buffers that are filled in place before each replay: the tokens, their
+positions, the 2-D attention mask over the cache slots, the cache slot where the step writes, and the per-token
+adapter slots (``mm.token_lora_ids``; the model's pre-hook that fills it from the host is bypassed while capturing,
+so that copy is never recorded). Which adapter a token uses, or whether it uses one at all (``-1``), is data: a new
+adapter mix, or an adapter hot-swapped with ``mm.load_adapter(name, path, replace=True)`` (written in place into its
+slot), replays the same graphs; nothing is recaptured.
+
+``capture=False`` (the default without CUDA) runs the very same static-buffer step eagerly: the CPU tests of
+bucketing, padding, adapter ids and speculative decoding run that path.
+
+Contract of the low-level API (:meth:`DecodeGraphs.prefill`, :meth:`~DecodeGraphs.step`, :meth:`~DecodeGraphs.accept`):
+the cache has ``max_cache_len`` physical slots shared by the rows of a batch; a step writes its ``q`` tokens at
+slots ``state.position .. +q-1`` of every row and advances ``state.position`` by ``q``. :meth:`~DecodeGraphs.accept`
+keeps the first ``n[b]`` of them for row ``b`` and masks the others out (their slots stay unused), so each row
+continues from its own length: per-row positions (RoPE) come from ``state.lengths``. One batch is live at a time
+(all buckets share one KV storage of the largest bucket); a new :meth:`prefill` ends the previous state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+import time
+import warnings
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from .kv_cache import SharedKVStorage, SlotCache
+
+
+class ScalarsWithoutHostCopies(TorchFunctionMode):
+    """Inside: ``torch.tensor(python scalar, device=<device_type>)`` is made with ``torch.full`` (a fill kernel)
+    instead of a host-to-device copy, which CUDA-graph capture refuses. Active only while capturing; transformers
+    before 5.24 builds the eager-attention mask's zero that way (e.g. GPT-OSS)."""
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.tensor and len(args) == 1 and isinstance(args[0], (bool, int, float)):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == self.device_type:
+                value = args[0]
+                dtype = kwargs.get("dtype") or (torch.bool if isinstance(value, bool) else torch.long
+                                                if isinstance(value, int) else torch.get_default_dtype())
+                return torch.full((), value, dtype=dtype, device=device)
+        return func(*args, **kwargs)
+
+
+def _local_attention_window(config) -> Optional[int]:
+    """The sliding-window / chunk size of the model's local-attention layers, if it has any."""
+    layer_types = getattr(config, "layer_types", None) or []
+    sizes = []
+    if getattr(config, "sliding_window", None) and (not layer_types or "sliding_attention" in layer_types):
+        sizes.append(config.sliding_window)
+    if getattr(config, "attention_chunk_size", None) and "chunked_attention" in layer_types:
+        sizes.append(config.attention_chunk_size)
+    return min(sizes) if sizes else None
+
+
+@dataclasses.dataclass(eq=False)
+class DecodeState:
+    """One live batch in a :class:`DecodeGraphs`.
+
+    ``batch_size``: real sequences ``b``; ``bucket``: ``B``; ``position``: next free cache slot (host int);
+    ``lengths``: ``[B]`` int64 on the device, tokens kept per row (the next token's RoPE position);
+    ``adapters``: one name or None per sequence, resolved to slots at prefill (a hot swap into a slot applies from
+    the next step on).
+    """
+
+    batch_size: int
+    bucket: int
+    adapters: list
+    position: int
+    lengths: Tensor
+    token_lora_ids: Tensor  # [B * q] int32 on the device: the step's adapter slots, copied in before each replay
+    epoch: int
+    pending: int = 0  # tokens fed by the last step that accept() may still drop
+
+
+class DecodeGraphs:
+    """Decode (and speculative-decode verify) steps of ``mm`` captured as CUDA graphs, one per batch bucket.
+
+    ``batch_sizes``: the buckets; ``max_cache_len``: cache slots per sequence (prompt + every step's ``q``);
+    ``num_speculative_tokens``: ``k`` draft tokens per step, so ``q = 1 + k`` tokens per sequence and step;
+    ``capture``: capture CUDA graphs (default: when the model is on CUDA) or run the same step eagerly;
+    ``pad_token_id``: for padding rows (default: the model's, else 0); ``warmup``: eager runs before each capture;
+    ``log``: progress lines (``None`` = silent).
+    """
+
+    def __init__(self, mm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_cache_len: int = 512,
+                 num_speculative_tokens: int = 0, capture: Optional[bool] = None,
+                 pad_token_id: Optional[int] = None, warmup: int = 2,
+                 log: Optional[Callable[[str], None]] = print):
+        from ..models.attach import MultiLoRAModel
+
+        if not isinstance(mm, MultiLoRAModel):
+            raise TypeError(f"mm must be a MultiLoRAModel (from moe_lora_compile.attach), got {type(mm).__name__}")
+        sizes = sorted(set(batch_sizes)) if not isinstance(batch_sizes, int) else [batch_sizes]
+        if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+            raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
+        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_speculative_tokens!r}")
+        q = 1 + num_speculative_tokens
+        if not isinstance(max_cache_len, int) or max_cache_len < q + 1:
+            raise ValueError(f"max_cache_len must be an int > q = {q}, got {max_cache_len!r}")
+        param = next(mm.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if capture is None:
+            capture = self.device.type == "cuda"
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"capture=True needs the model on a CUDA device (it is on {self.device}); "
+                             f"capture=False runs the same steps eagerly")
+        max_batch = sizes[-1]
+        if max_batch * q > mm.token_lora_ids.numel():
+            raise ValueError(f"batch_sizes: {max_batch} x {q} tokens exceed mm.token_lora_ids "
+                             f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
+
+        self.mm = mm
+        self.batch_sizes = tuple(sizes)
+        self.max_cache_len = max_cache_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.query_len = q
+        self.use_graphs = bool(capture)
+        self.warmup = warmup
+        self.log = log
+        config = mm.model.config
+        if pad_token_id is None:
+            pad_token_id = getattr(mm.model.generation_config, "pad_token_id", None)
+            pad_token_id = getattr(config, "pad_token_id", None) if pad_token_id is None else pad_token_id
+        self.pad_token_id = int(pad_token_id or 0)
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self._num_layers = text_config.num_hidden_layers
+        window = _local_attention_window(text_config)
+        if num_speculative_tokens and window is not None and window < max_cache_len:
+            warnings.warn(f"this model has local attention over {window} tokens: its window counts cache slots, "
+                          f"and rejected draft tokens leave unused slots, so once a context is longer than the window "
+                          f"speculative decoding can differ from plain greedy decoding", stacklevel=2)
+
+        # which keyword the installed transformers takes for the cache (5.24 renamed past_key_values -> cache)
+        params = inspect.signature(type(mm.model).forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._pass_cache_position = "cache_position" in params  # older 5.x: positions of the written slots
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+        dev = self.device
+        self._start = torch.zeros((), dtype=torch.long, device=dev)  # slot of the current forward's first token
+        self._arange_q = torch.arange(q, device=dev)
+        self._input_ids = torch.full((max_batch, q), self.pad_token_id, dtype=torch.long, device=dev)
+        self._position_ids = torch.zeros((max_batch, q), dtype=torch.long, device=dev)
+        self._attention_mask = torch.zeros((max_batch, max_cache_len), dtype=torch.long, device=dev)
+        self._storage = SharedKVStorage(max_batch, max_cache_len)
+        self._caches = {b: SlotCache(self._storage, self._num_layers, b, self._start) for b in self.batch_sizes}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, Tensor] = {}  # static logits [B, q, V] of each captured graph
+        self._ids_buffer: Optional[Tensor] = None  # the mm.token_lora_ids the graphs were captured with
+        self._pool = None
+        self._epoch = 0
+        self.num_captures = 0  # CUDA graphs captured so far, over this object's life
+
+    # --- buckets ---------------------------------------------------------------------------------------------
+    def bucket_for(self, batch_size: int) -> int:
+        """The smallest bucket that holds ``batch_size`` sequences; ValueError above the largest."""
+        for b in self.batch_sizes:
+            if b >= batch_size:
+                return b
+        raise ValueError(f"batch of {batch_size} sequences is larger than the largest captured bucket "
+                         f"({self.batch_sizes[-1]}); batch_sizes={self.batch_sizes}: split the batch or add a bucket")
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    # --- running the model -----------------------------------------------------------------------------------
+    def _model_kwargs(self, batch: int, attention_mask: Tensor, position_ids: Tensor, num_tokens: int) -> dict:
+        kwargs = {self._cache_kw: self._caches[batch], "use_cache": True, "attention_mask": attention_mask,
+                  "position_ids": position_ids}
+        if self._pass_cache_position:
+            kwargs["cache_position"] = torch.arange(num_tokens, device=self.device) + self._start
+        return kwargs
+
+    def _forward_step(self, batch: int) -> Tensor:
+        """The step captured per bucket: static buffers in, logits ``[B, q, V]`` out. No host work on data."""
+        kwargs = self._model_kwargs(batch, self._attention_mask[:batch], self._position_ids[:batch], self.query_len)
+        with self.mm.manual_token_lora_ids():
+            return self.mm.model(input_ids=self._input_ids[:batch], **kwargs).logits
+
+    def _run_step(self, batch: int) -> Tensor:
+        if not self.use_graphs:
+            return self._forward_step(batch)
+        if not self._graphs:
+            raise RuntimeError("DecodeGraphs: no graphs captured yet: call .capture() first "
+                               "(or construct with capture=False to run the steps eagerly)")
+        if self.mm.token_lora_ids is not self._ids_buffer:
+            raise RuntimeError("mm.token_lora_ids was reallocated after capture (a batch of more than max_tokens "
+                               "tokens ran through mm): the graphs read the old buffer; call .capture() again")
+        self._graphs[batch].replay()
+        return self._outputs[batch]
+
+    def _fill_dummy(self, batch: int) -> None:
+        """Valid inputs for warm-up and capture: pad tokens at slots 0..q-1, no adapter."""
+        self._input_ids[:batch].fill_(self.pad_token_id)
+        self._position_ids[:batch].copy_(self._arange_q.expand(batch, -1))
+        self._attention_mask[:batch].zero_()
+        self._attention_mask[:batch, : self.query_len].fill_(1)
+        self._start.fill_(0)
+        self.mm.token_lora_ids[: batch * self.query_len].fill_(-1)
+
+    # --- capture ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def capture(self) -> "DecodeGraphs":
+        """Warm up and capture one CUDA graph per bucket (largest first, one shared memory pool), logging one line
+        per bucket. Capturing again replaces the graphs. With ``capture=False`` only runs one eager warm-up step.
+        Ends any live :class:`DecodeState`."""
+        self._epoch += 1
+        if not self.use_graphs:
+            self._fill_dummy(self.batch_sizes[-1])
+            self._forward_step(self.batch_sizes[-1])
+            self._say(f"decode steps run eagerly (capture=False) on {self.device}: buckets {list(self.batch_sizes)}, "
+                      f"q {self.query_len}")
+            return self
+        self._graphs.clear()
+        self._outputs.clear()
+        torch.cuda.synchronize(self.device)
+        if not self._storage.allocated:  # allocate the shared K/V on the current stream, before any capture
+            self._fill_dummy(self.batch_sizes[-1])
+            self._forward_step(self.batch_sizes[-1])
+        self._ids_buffer = self.mm.token_lora_ids
+        self._pool = torch.cuda.graph_pool_handle()
+        order = sorted(self.batch_sizes, reverse=True)
+        total = time.perf_counter()
+        for i, batch in enumerate(order, 1):
+            t0 = time.perf_counter()
+            self._fill_dummy(batch)
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self._forward_step(batch)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), ScalarsWithoutHostCopies("cuda"):
+                out = self._forward_step(batch)
+            torch.cuda.synchronize(self.device)
+            self._graphs[batch], self._outputs[batch] = graph, out
+            self.num_captures += 1
+            self._say(f"capturing decode graph {i}/{len(order)}: batch {batch}, q {self.query_len} ... "
+                      f"{time.perf_counter() - t0:.2f} s")
+        self._say(f"captured {len(order)} decode graphs in {time.perf_counter() - total:.2f} s "
+                  f"(KV cache {self._storage.nbytes() / 2**20:.1f} MiB)")
+        return self
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+            if self.log is print:
+                sys.stdout.flush()
+
+    # --- the low-level API -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, input_ids: Tensor, *, adapters: Optional[Sequence[Optional[str]]] = None,
+                attention_mask: Optional[Tensor] = None) -> tuple[DecodeState, Tensor]:
+        """Run the prompts ``input_ids [b, S]`` eagerly into the cache (chunked to fit ``mm.token_lora_ids``);
+        returns the new :class:`DecodeState` and the logits of each prompt's last token ``[b, V]``.
+
+        ``attention_mask [b, S]`` (1 = token, 0 = left padding) for prompts of different lengths, as in
+        transformers. ``adapters``: one name or None per sequence (validated as ``mm.forward`` does).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        b, S = input_ids.shape
+        batch = self.bucket_for(b)
+        if S < 1 or S + self.query_len > self.max_cache_len:
+            raise ValueError(f"input_ids: a prompt of {S} tokens plus one step of {self.query_len} does not fit "
+                             f"max_cache_len={self.max_cache_len}")
+        adapters = None if adapters is None else list(adapters) if not isinstance(adapters, str) else adapters
+        self.mm._slots_of(adapters, b)  # same validation (and errors) as mm.forward, before touching anything
+        if attention_mask is not None and tuple(attention_mask.shape) != (b, S):
+            raise ValueError(f"attention_mask must be [{b}, {S}] like input_ids, got {tuple(attention_mask.shape)}")
+        self._epoch += 1
+        dev = self.device
+        mask = self._attention_mask[:batch]
+        mask.zero_()
+        mask[:, :S].fill_(1)
+        if attention_mask is not None:
+            mask[:b, :S].copy_(attention_mask)
+        tokens = torch.full((batch, S), self.pad_token_id, dtype=torch.long, device=dev)
+        tokens[:b].copy_(input_ids)
+        prompt_mask = mask[:, :S]
+        position_ids = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
+        lengths = prompt_mask.sum(-1)
+        chunk = max(1, self.mm.token_lora_ids.numel() // batch)
+        logits = None
+        with self.mm.manual_token_lora_ids():
+            for c0 in range(0, S, chunk):
+                c1 = min(S, c0 + chunk)
+                self._start.fill_(c0)
+                self.mm.set_token_lora_ids(adapters, c1 - c0, batch_size=batch)
+                kwargs = self._model_kwargs(batch, mask, position_ids[:, c0:c1], c1 - c0)
+                if self._has_logits_to_keep:
+                    kwargs["logits_to_keep"] = 1
+                logits = self.mm.model(input_ids=tokens[:, c0:c1], **kwargs).logits
+        ids = self.mm.set_token_lora_ids(adapters, self.query_len, batch_size=batch).clone()
+        state = DecodeState(batch_size=b, bucket=batch, adapters=adapters if adapters is not None else [None] * b,
+                            position=S, lengths=lengths, token_lora_ids=ids, epoch=self._epoch)
+        return state, logits[:b, -1]
+
+    def _check_live(self, state: DecodeState) -> None:
+        if state.epoch != self._epoch:
+            raise RuntimeError("DecodeGraphs: this DecodeState has ended (a newer prefill or capture reused the "
+                               "cache); one batch is live at a time")
+
+    @torch.no_grad()
+    def step(self, state: DecodeState, tokens: Tensor) -> Tensor:
+        """Feed ``tokens [b, q]`` (``q = 1 + num_speculative_tokens``) of every sequence; returns their logits
+        ``[b, q, V]``: a view of the bucket's static output, valid until the next step (``.clone()`` to keep).
+
+        Writes the tokens' K/V at slots ``state.position .. +q-1`` and advances ``state.position`` and
+        ``state.lengths`` by ``q``; :meth:`accept` then drops the rejected ones. One graph replay on CUDA.
+        """
+        self._check_live(state)
+        b, batch, q, p = state.batch_size, state.bucket, self.query_len, state.position
+        if tuple(tokens.shape) != (b, q):
+            raise ValueError(f"tokens must be [{b}, {q}] (batch, 1 + num_speculative_tokens), "
+                             f"got {tuple(tokens.shape)}")
+        if p + q > self.max_cache_len:
+            raise ValueError(f"cache full: slot {p} + {q} tokens > max_cache_len={self.max_cache_len}")
+        self._input_ids[:b].copy_(tokens)
+        if batch > b:
+            self._input_ids[b:batch].fill_(self.pad_token_id)
+        self._position_ids[:batch].copy_(state.lengths[:, None] + self._arange_q)
+        self._attention_mask[:batch, p:p + q].fill_(1)
+        self._start.fill_(p)
+        self.mm.token_lora_ids[: batch * q].copy_(state.token_lora_ids)
+        logits = self._run_step(batch)
+        state.position += q
+        state.lengths += q
+        state.pending = q
+        return logits[:b]
+
+    @torch.no_grad()
+    def accept(self, state: DecodeState, num_tokens) -> None:
+        """Keep only the first ``num_tokens[i]`` (1..q) of the tokens row ``i`` fed in the last :meth:`step`.
+
+        ``num_tokens``: an int or ``[b]`` ints (a device tensor is used without a host sync, unchecked). The dropped
+        tokens' slots are masked out for good; the row's next token takes the next position (RoPE) anyway.
+        """
+        self._check_live(state)
+        q, b, batch = state.pending, state.batch_size, state.bucket
+        if q == 0:
+            raise RuntimeError("accept() must follow a step() (once)")
+        keep = torch.full((batch,), q, dtype=torch.long, device=self.device)
+        if isinstance(num_tokens, Tensor) and num_tokens.device.type == self.device.type != "cpu":
+            keep[:b].copy_(num_tokens.reshape(b))
+        else:
+            counts = torch.as_tensor(num_tokens, dtype=torch.long).expand(b)
+            if bool(((counts < 1) | (counts > q)).any()):
+                raise ValueError(f"num_tokens must be in 1..{q}, got {counts.tolist()}")
+            keep[:b].copy_(counts)
+        drop = self._arange_q[:q] >= keep[:, None]  # [B, q]
+        p0 = state.position - q
+        self._attention_mask[:batch, p0:state.position].masked_fill_(drop, 0)
+        state.lengths -= q - keep
+        state.pending = 0
+
+    # --- generation ------------------------------------------------------------------------------------------
+    def _special_ids(self, eos_token_id, pad_token_id):
+        gen = self.mm.model.generation_config
+        eos = gen.eos_token_id if eos_token_id is None else eos_token_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        pad = gen.pad_token_id if pad_token_id is None else pad_token_id
+        if pad is None:
+            pad = eos[0] if eos else self.pad_token_id
+        return torch.tensor(eos, dtype=torch.long, device=self.device), int(pad)
+
+    @torch.no_grad()
+    def generate(self, input_ids: Tensor, *, adapters: Optional[Sequence[Optional[str]]] = None,
+                 max_new_tokens: int = 20, attention_mask: Optional[Tensor] = None,
+                 draft: Optional[Callable[[list[Tensor]], Tensor]] = None,
+                 eos_token_id=None, pad_token_id: Optional[int] = None) -> Tensor:
+        """Greedy decoding: ``[b, S]`` prompts -> ``[b, S + n]`` (prompts then new tokens, ``n <= max_new_tokens``),
+        the same tokens as ``mm.generate(..., do_sample=False)``: after a sequence's EOS it gets pad tokens; stops
+        when all have ended. The prompt is prefilled eagerly, every step replays one graph.
+
+        With ``num_speculative_tokens = k > 0``, ``draft(sequences) -> [b, k]`` proposes the next ``k`` tokens of
+        each sequence (``sequences[i]``: its tokens so far, 1-D, without left padding); a step verifies them and
+        keeps the longest prefix that greedy decoding agrees with, plus the model's next token. The result is the
+        same as plain greedy decoding, whatever the drafts.
+        """
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        if self.query_len > 1 and draft is None:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: generate needs draft= "
+                             f"(a callable giving {self.num_speculative_tokens} tokens per sequence)")
+        S = input_ids.shape[-1]
+        steps_worst = max_new_tokens - 1
+        if S + steps_worst * self.query_len > self.max_cache_len:
+            raise ValueError(f"max_cache_len={self.max_cache_len} is too small for {S} prompt tokens + "
+                             f"{max_new_tokens} new ones at {self.query_len} cache slots per step "
+                             f"(needs {S + steps_worst * self.query_len})")
+        eos, pad = self._special_ids(eos_token_id, pad_token_id)
+        state, logits = self.prefill(input_ids, adapters=adapters, attention_mask=attention_mask)
+        if self.query_len == 1:
+            new = self._greedy_loop(state, logits, max_new_tokens, eos, pad)
+        else:
+            new = self._speculative_loop(state, logits, input_ids, attention_mask, max_new_tokens, eos, pad, draft)
+        return torch.cat([input_ids.to(new.device), new], dim=1)
+
+    def _greedy_loop(self, state, logits, max_new_tokens, eos, pad) -> Tensor:
+        b = state.batch_size
+        out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=self.device)
+        all_done = torch.zeros(max_new_tokens, dtype=torch.bool, device=self.device)
+        unfinished = torch.ones(b, dtype=torch.bool, device=self.device)
+        token = logits.argmax(-1)
+        done_steps = max_new_tokens
+        for t in range(max_new_tokens):
+            token = torch.where(unfinished, token, pad)
+            out[:, t] = token
+            if eos.numel():
+                unfinished &= ~torch.isin(token, eos)
+                all_done[t] = ~unfinished.any()
+                if t % 8 == 7 and bool(all_done[t]):  # a host sync every 8 steps, to stop early
+                    done_steps = t + 1
+                    break
+            if t + 1 < max_new_tokens:
+                token = self.step(state, token[:, None])[:, -1].argmax(-1)
+        if eos.numel():
+            ended = all_done[:done_steps].nonzero()
+            if ended.numel():
+                done_steps = int(ended[0, 0]) + 1
+        return out[:, :done_steps]
+
+    def _speculative_loop(self, state, logits, input_ids, attention_mask, max_new_tokens, eos, pad, draft):
+        b, k = state.batch_size, self.num_speculative_tokens
+        eos_set = set(eos.tolist())
+        ids = input_ids.to(self.device)
+        prompts = [ids[i] if attention_mask is None else ids[i][attention_mask[i].to(self.device).bool()]
+                   for i in range(b)]
+        generated: list[list[int]] = [[] for _ in range(b)]
+        done = [False] * b
+
+        def emit(row: int, tokens: list[int]) -> None:
+            for tok in tokens:
+                if done[row]:
+                    return
+                generated[row].append(tok)
+                done[row] = tok in eos_set or len(generated[row]) >= max_new_tokens
+
+        first = logits.argmax(-1).tolist()
+        for row in range(b):
+            emit(row, [first[row]])
+        while not all(done):
+            last = torch.tensor([g[-1] if not d else pad for g, d in zip(generated, done)], device=self.device)
+            sequences = [torch.cat([prompts[i], torch.tensor(generated[i], dtype=torch.long, device=self.device)])
+                         for i in range(b)]
+            proposal = torch.as_tensor(draft(sequences), dtype=torch.long).to(self.device)
+            if tuple(proposal.shape) != (b, k):
+                raise ValueError(f"draft must return [{b}, {k}] tokens, got shape {tuple(proposal.shape)}")
+            greedy = self.step(state, torch.cat([last[:, None], proposal], dim=1)).argmax(-1)  # [b, q]
+            accepted = (greedy[:, :k] == proposal).long().cumprod(1).sum(1)  # [b]: leading matches
+            self.accept(state, accepted + 1)
+            greedy, accepted = greedy.tolist(), accepted.tolist()
+            for row in range(b):
+                emit(row, greedy[row][: accepted[row] + 1])
+        width = max(len(g) for g in generated)
+        out = torch.full((b, width), pad, dtype=torch.long)
+        for row, g in enumerate(generated):
+            out[row, : len(g)] = torch.tensor(g, dtype=torch.long)
+        return out.to(self.device)

@@ -1,0 +1,341 @@
+"""DecodeGraphs: bucketed decode / speculative-verify steps of a MultiLoRAModel equal the eager model.
+
+CPU tests run the very same static-buffer steps eagerly (``capture=False``) on the tiny Qwen3-MoE model with three
+PEFT adapters from ``moe_lora_compile.__main__.build``; ``@pytest.mark.gpu`` tests capture and replay CUDA graphs
+with the Triton kernels (``use_ops=True``); run them with ``pytest -m gpu tests/graphs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from moe_lora_compile.__main__ import ADAPTERS, build
+from moe_lora_compile.graphs import DecodeGraphs
+from moe_lora_compile.models import attach
+
+FAMILY = "qwen3_moe"
+MIXED = ["alpha", "beta", None]  # 3 sequences -> bucket 4 (one padding row)
+ATOL = 2e-5  # fp32
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("adapters")
+    s = build(FAMILY, dtype=torch.float32, device=torch.device("cpu"), batch=3, seq_len=6, workdir=str(workdir))
+    s.workdir = str(workdir)
+    return s
+
+
+def _eager_logits(mm, tokens, adapters):
+    """Logits of a full eager forward (no cache) of ``tokens [b, S]``."""
+    with torch.no_grad():
+        return mm(tokens, adapters=adapters, use_cache=False).logits
+
+
+def _tokens(shape, seed):
+    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+# --- decode ----------------------------------------------------------------------------------------------------
+def test_decode_steps_match_eager_with_padding_row(setup):
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4), max_cache_len=32, capture=False, log=None)
+    state, last = graphs.prefill(prompt, adapters=MIXED)
+    assert state.bucket == 4 and state.batch_size == 3
+    seq = prompt
+    torch.testing.assert_close(last, _eager_logits(mm, seq, MIXED)[:, -1], atol=ATOL, rtol=0)
+    for i in range(3):
+        token = _tokens((3, 1), seed=i)
+        logits = graphs.step(state, token)
+        assert logits.shape == (3, 1, 128)
+        # the adapter ids of the step: one slot per real row, -1 for the padding row
+        slots = [mm.adapters["alpha"], mm.adapters["beta"], -1, -1]
+        assert mm.token_lora_ids[:4].tolist() == slots
+        seq = torch.cat([seq, token], dim=1)
+        torch.testing.assert_close(logits[:, 0], _eager_logits(mm, seq, MIXED)[:, -1], atol=ATOL, rtol=0)
+    assert state.position == prompt.shape[1] + 3
+
+
+def test_generate_equals_mm_generate(setup):
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(2, 4), max_cache_len=32, capture=False, log=None)
+    ours = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
+    theirs = mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ours, theirs)
+    # prompts of different lengths (left padding), one row per bucket size
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = mask[2, :4] = 0
+    padded = prompt.masked_fill(mask == 0, 0)
+    ours = graphs.generate(padded, adapters=MIXED, max_new_tokens=6, attention_mask=mask)
+    theirs = mm.generate(padded, adapters=MIXED, max_new_tokens=6, do_sample=False, attention_mask=mask)
+    assert torch.equal(ours, theirs)
+    one = graphs.generate(prompt[:1], adapters=["gamma"], max_new_tokens=5)
+    assert torch.equal(one, mm.generate(prompt[:1], adapters=["gamma"], max_new_tokens=5, do_sample=False))
+
+
+def test_generate_stops_at_eos_like_mm_generate(setup):
+    """Row 2 of the demo batch emits EOS (id 2) early: pad tokens after it, and the output ends when all rows have
+    ended, as in transformers' greedy search."""
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+    theirs = mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False)
+    eos = theirs[2, 6:].tolist().index(2)  # this seed: the 'None' row ends after two tokens
+    ours = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
+    assert torch.equal(ours, theirs) and (ours[2, 6 + eos + 1:] == 0).all()
+    # all rows stop: the output is shorter than max_new_tokens, like mm.generate's
+    short = graphs.generate(prompt[2:], adapters=[None], max_new_tokens=8)
+    assert torch.equal(short, mm.generate(prompt[2:], adapters=[None], max_new_tokens=8, do_sample=False))
+    assert short.shape[1] == 6 + eos + 1
+
+
+# --- speculative decoding ----------------------------------------------------------------------------------------
+def test_speculative_verify_matches_eager_and_accept_rolls_back(setup):
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, num_speculative_tokens=2, capture=False,
+                          log=None)
+    assert graphs.query_len == 3
+    state, _ = graphs.prefill(prompt, adapters=MIXED)
+    first = _tokens((3, 3), seed=1)
+    logits = graphs.step(state, first).clone()
+    assert logits.shape == (3, 3, 128)
+    torch.testing.assert_close(logits, _eager_logits(mm, torch.cat([prompt, first], 1), MIXED)[:, -3:],
+                               atol=ATOL, rtol=0)
+    keep = [1, 2, 3]  # per row: the fed token plus 0, 1, 2 accepted drafts
+    graphs.accept(state, torch.tensor(keep))
+    assert state.lengths[:3].tolist() == [6 + k for k in keep]
+    second = _tokens((3, 3), seed=2)
+    logits = graphs.step(state, second)
+    for row, k in enumerate(keep):  # each row equals the eager forward of its own kept tokens
+        seq = torch.cat([prompt[row], first[row, :k], second[row]])[None]
+        torch.testing.assert_close(logits[row], _eager_logits(mm, seq, [MIXED[row]])[0, -3:], atol=ATOL, rtol=0)
+
+
+def test_speculative_generate_equals_greedy_whatever_the_drafts(setup):
+    mm, prompt = setup.model, setup.input_ids
+    k, new = 2, 8
+    reference = mm.generate(prompt, adapters=MIXED, max_new_tokens=new, do_sample=False)
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=6 + new * (k + 1), num_speculative_tokens=k,
+                          capture=False, log=None)
+    calls = []
+
+    def oracle(sequences, garbage_rows=()):  # the right continuation (made up for garbage_rows)
+        calls.append(len(sequences))
+        rows = []
+        for i, seq in enumerate(sequences):
+            right = reference[i, len(seq):len(seq) + k].tolist()
+            rows.append([3] * k if i in garbage_rows else right + [3] * (k - len(right)))
+        return torch.tensor(rows)
+
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=new, draft=oracle), reference)
+    assert len(calls) <= -(-(new - 1) // (k + 1))  # every draft accepted: k + 1 tokens per step
+    mixed = lambda seqs: oracle(seqs, garbage_rows=(1,))  # partial acceptance: rows advance differently
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=new, draft=mixed), reference)
+    garbage = lambda seqs: _tokens((len(seqs), k), seed=len(seqs[0]))
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=new, draft=garbage), reference)
+
+
+def test_gpt_oss_eager_attention_and_sliding_window(tmp_path):
+    """GPT-OSS: eager attention (float masks), a sliding-window layer, expert biases; decode past the window."""
+    s = build("gpt_oss", dtype=torch.float32, device=torch.device("cpu"), batch=3, seq_len=6, workdir=str(tmp_path))
+    mm, prompt = s.model, s.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+    new = 14  # 6 + 14 > sliding_window 16
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=new),
+                       mm.generate(prompt, adapters=MIXED, max_new_tokens=new, do_sample=False))
+    with pytest.warns(UserWarning, match="local attention over 16 tokens"):
+        DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, num_speculative_tokens=1, capture=False, log=None)
+
+
+def test_scalars_without_host_copies_mode():
+    """The capture-time shim makes the same scalar tensors, with a fill instead of a host copy."""
+    from moe_lora_compile.graphs.decode import ScalarsWithoutHostCopies
+
+    with ScalarsWithoutHostCopies("cpu"):
+        made = [torch.tensor(0.0, device="cpu", dtype=torch.bfloat16), torch.tensor(3, device="cpu"),
+                torch.tensor(True, device="cpu"), torch.tensor(1.5, device="cpu"), torch.tensor([1, 2])]
+    expected = [torch.tensor(0.0, dtype=torch.bfloat16), torch.tensor(3), torch.tensor(True), torch.tensor(1.5),
+                torch.tensor([1, 2])]
+    for a, b in zip(made, expected):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+def test_clear_errors(setup):
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(1, 2), max_cache_len=16, capture=False, log=None)
+    with pytest.raises(ValueError, match=r"batch of 3 sequences is larger than the largest captured bucket \(2\)"):
+        graphs.prefill(prompt, adapters=MIXED)
+    with pytest.raises(ValueError, match="larger than the largest"):
+        graphs.generate(prompt, adapters=MIXED, max_new_tokens=2)
+    with pytest.raises(KeyError) as ours:
+        graphs.prefill(prompt[:2], adapters=["alpha", "nope"])
+    with pytest.raises(KeyError) as theirs:
+        mm(prompt[:2], adapters=["alpha", "nope"])
+    assert str(ours.value) == str(theirs.value) and "unknown adapter 'nope'" in str(ours.value)
+    with pytest.raises(ValueError, match="one adapter name"):
+        graphs.prefill(prompt[:2], adapters=["alpha"])
+    state, _ = graphs.prefill(prompt[:2], adapters=["alpha", None])
+    with pytest.raises(ValueError, match=r"tokens must be \[2, 1\]"):
+        graphs.step(state, _tokens((2, 2), seed=0))
+    with pytest.raises(RuntimeError, match="must follow a step"):
+        graphs.accept(state, 1)
+    with pytest.raises(ValueError, match="max_cache_len=16 is too small"):
+        graphs.generate(prompt[:2], max_new_tokens=12)
+    for _ in range(16 - 6):
+        graphs.step(state, _tokens((2, 1), seed=0))
+    with pytest.raises(ValueError, match="cache full"):
+        graphs.step(state, _tokens((2, 1), seed=0))
+    graphs.prefill(prompt[:1])
+    with pytest.raises(RuntimeError, match="has ended"):
+        graphs.step(state, _tokens((2, 1), seed=0))
+    with pytest.raises(ValueError, match="num_speculative_tokens=1: generate needs draft="):
+        DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=16, num_speculative_tokens=1, capture=False,
+                     log=None).generate(prompt[:2], max_new_tokens=2)
+    with pytest.raises(ValueError, match="capture=True needs the model on a CUDA device"):
+        DecodeGraphs(mm, capture=True)
+    with pytest.raises(ValueError, match="exceed mm.token_lora_ids"):
+        DecodeGraphs(mm, batch_sizes=(4096,), num_speculative_tokens=3, capture=False)
+
+
+def test_token_lora_ids_api(setup):
+    """MultiLoRAModel.set_token_lora_ids pads with -1; inside manual_token_lora_ids the pre-hook keeps its hands
+    off the buffer."""
+    mm, prompt = setup.model, setup.input_ids
+    view = mm.set_token_lora_ids(["beta", None], 2, batch_size=3)
+    beta = mm.adapters["beta"]
+    assert view.tolist() == [beta, beta, -1, -1, -1, -1]
+    with pytest.raises(ValueError, match="exceed token_lora_ids"):
+        mm.set_token_lora_ids(None, mm.token_lora_ids.numel() + 1, batch_size=1)
+    with mm.manual_token_lora_ids():
+        mm.model(input_ids=prompt[:1, :2])  # would write slot -1 for 'no adapters' without the bypass
+    assert mm.token_lora_ids[:2].tolist() == [beta, beta]
+    mm(prompt[:1, :2])
+    assert mm.token_lora_ids[:2].tolist() == [-1, -1]
+
+
+def test_capture_false_logs_and_runs(setup):
+    lines = []
+    graphs = DecodeGraphs(setup.model, batch_sizes=(2,), max_cache_len=16, capture=False, log=lines.append)
+    assert graphs.capture() is graphs and "capture=False" in lines[0] and not graphs.captured
+
+
+# --- hot swap ----------------------------------------------------------------------------------------------------
+def test_hot_swap_changes_exactly_the_rows_of_that_adapter(setup):
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=16, capture=False, log=None)
+    adapters = ["alpha", "beta", None, "alpha"]
+    prompt4 = torch.cat([prompt, prompt[:1]])
+    token = _tokens((4, 1), seed=3)
+
+    def step_logits():
+        state, _ = graphs.prefill(prompt4, adapters=adapters)
+        return graphs.step(state, token).clone()
+
+    before = step_logits()
+    try:
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "gamma"), replace=True)
+        after = step_logits()
+        changed = (after - before).abs().amax(dim=(1, 2)) > 1e-4
+        assert changed.tolist() == [True, False, False, True]
+        torch.testing.assert_close(after[[1, 2]], before[[1, 2]], atol=1e-6, rtol=0)
+        eager = _eager_logits(mm, torch.cat([prompt4, token], 1), ["gamma", "beta", None, "gamma"])[:, -1:]
+        torch.testing.assert_close(after, eager, atol=ATOL, rtol=0)
+    finally:
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha"), replace=True)
+
+
+# --- GPU: captured graphs ----------------------------------------------------------------------------------------
+def _gpu_setup(tmp_path, dtype, family=FAMILY):
+    """build()'s tiny model and adapters on CUDA, attached again with use_ops=True (the Triton kernels)."""
+    s = build(family, dtype=dtype, device=torch.device("cuda"), batch=3, seq_len=6, workdir=str(tmp_path))
+    mm = attach(copy.deepcopy(s.base), max_loras=4, max_rank=8, use_ops=True)
+    for name in ADAPTERS:
+        mm.load_adapter(name, tmp_path / name)
+    return s, mm
+
+
+def _tolerance(dtype):
+    return dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", [
+    "qwen3_moe",  # sdpa attention
+    "gpt_oss",    # eager attention (its mask needs ScalarsWithoutHostCopies on transformers < 5.24), sliding window
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_replay_equals_eager_new_mix_and_hot_swap_without_recapture(tmp_path, dtype, family):
+    s, mm = _gpu_setup(tmp_path, dtype, family)
+    prompt = s.input_ids
+    lines = []
+    graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=64, log=lines.append)
+    assert graphs.use_graphs
+    graphs.capture()
+    assert graphs.num_captures == 4 and len(lines) == 5 and lines[0].startswith("capturing decode graph 1/4: batch 8")
+    tol = _tolerance(dtype)
+
+    def check(adapters, prompt, steps=3):
+        state, _ = graphs.prefill(prompt, adapters=adapters)
+        seq = prompt
+        for i in range(steps):
+            token = _tokens((len(adapters), 1), seed=i).cuda()
+            logits = graphs.step(state, token).float()
+            seq = torch.cat([seq, token], 1)
+            torch.testing.assert_close(logits[:, 0], _eager_logits(mm, seq, adapters)[:, -1].float(), **tol)
+        return logits
+
+    check(MIXED, prompt)  # bucket 4, one padding row
+    check(["gamma", None, "alpha", "beta", "beta"], torch.cat([prompt, prompt[:2]]))  # bucket 8, another mix
+    check([None], prompt[:1])  # bucket 1, no adapter at all
+    before = check(["alpha", "beta"], prompt[:2]).clone()
+    mm.load_adapter("alpha", tmp_path / "gamma", replace=True)  # hot swap: written in place into alpha's slot
+    after = check(["alpha", "beta"], prompt[:2])
+    assert (after[0] - before[0]).abs().max() > 1e-3
+    torch.testing.assert_close(after[1], before[1], **tol)  # beta's row: untouched
+    assert graphs.num_captures == 4  # nothing was recaptured
+    if dtype == torch.float32:  # greedy tokens: the same as the eager model's generate
+        out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
+        assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.gpu
+def test_gpu_speculative_replay_equals_eager(tmp_path):
+    s, mm = _gpu_setup(tmp_path, torch.float32)
+    prompt = s.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(2, 4), max_cache_len=64, num_speculative_tokens=2, log=None).capture()
+    assert graphs.num_captures == 2
+    state, _ = graphs.prefill(prompt, adapters=MIXED)
+    first = _tokens((3, 3), seed=1).cuda()
+    logits = graphs.step(state, first).clone()
+    tol = _tolerance(torch.float32)
+    torch.testing.assert_close(logits, _eager_logits(mm, torch.cat([prompt, first], 1), MIXED)[:, -3:], **tol)
+    keep = torch.tensor([1, 2, 3], device="cuda")
+    graphs.accept(state, keep)
+    second = _tokens((3, 3), seed=2).cuda()
+    logits = graphs.step(state, second)
+    for row, k in enumerate(keep.tolist()):
+        seq = torch.cat([prompt[row], first[row, :k], second[row]])[None]
+        torch.testing.assert_close(logits[row], _eager_logits(mm, seq, [MIXED[row]])[0, -3:], **tol)
+    reference = mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False)
+    garbage = lambda seqs: _tokens((len(seqs), 2), seed=len(seqs[0])).cuda()
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=8, draft=garbage), reference)
+    assert graphs.num_captures == 2
+
+
+def test_example_runs_on_cpu():
+    """examples/cuda_graph_decode.py as a user runs it: without CUDA it says so and still checks every result."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "cuda_graph_decode.py"
+    result = subprocess.run([sys.executable, str(example), "--max-new-tokens", "4"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    if not torch.cuda.is_available():
+        assert "no CUDA device: running the decode steps eagerly (capture=False)" in result.stdout
+    assert result.stdout.rstrip().endswith("OK")
