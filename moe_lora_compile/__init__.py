@@ -2,7 +2,7 @@
 
 from . import ops
 from .adapters import load_peft_adapter
-from .compile import compile
+from .compile import compile, pass_runs
 from .inspect import dump_graphs
 from .models import FAMILIES, MultiLoRAModel, attach, supported_model_types
 from .ops import fused_moe_lora, lora_linear
@@ -21,5 +21,6 @@ __all__ = [
     "load_peft_adapter",
     "lora_linear",
     "ops",
+    "pass_runs",
     "supported_model_types",
 ]

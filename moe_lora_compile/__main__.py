@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import os
@@ -21,6 +20,8 @@ import warnings
 from typing import Optional, Sequence
 
 import torch
+
+from .compile import pass_runs
 
 ADAPTERS = ("alpha", "beta", "gamma")
 ADAPTER_RANKS = (4, 8, 2)  # different ranks: the slots pad each to max_rank
@@ -72,16 +73,6 @@ def _compile(setup: Setup):
     return custom_pass
 
 
-def _pass_runs():
-    """FX-graph / AOT caches off, so the pass runs and its counts are real (a cache hit skips it)."""
-    import torch._functorch.config as functorch_config
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False))
-    stack.enter_context(functorch_config.patch(enable_autograd_cache=False))
-    return stack
-
-
 def _logits(setup: Setup, input_ids=None, adapters=None) -> torch.Tensor:
     with torch.no_grad():
         return setup.model(setup.input_ids if input_ids is None else input_ids,
@@ -118,7 +109,7 @@ def run_demo(family: str = "qwen3_moe", *, dtype: str = "float32", device: Optio
         torch._dynamo.utils.counters.clear()
         custom_pass = _compile(setup)
         t0 = time.perf_counter()
-        with _pass_runs():
+        with pass_runs():  # a cache hit would skip the pass and its counts
             compiled = _logits(setup)
         compile_s = time.perf_counter() - t0
         graphs, breaks = _dynamo_counts()

@@ -4,13 +4,25 @@ and, inside vLLM, :mod:`moe_lora_compile.passes.vllm`."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 
 from .passes import MoELoRAPass
 
 _PASS_KEY = "post_grad_custom_post_pass"
+
+
+@contextlib.contextmanager
+def pass_runs() -> Iterator[None]:
+    """Inductor's FX-graph cache and the AOT autograd cache off: a cache hit skips the post-grad pass, so compiles
+    inside this context really run it (its ``counts`` are real, depyf dumps show its output)."""
+    import torch._functorch.config as functorch_config
+
+    with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 def inductor_options(options: Optional[dict] = None, mode: Optional[str] = None,

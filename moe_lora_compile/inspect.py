@@ -64,10 +64,10 @@ def dump_graphs(compiled: Any, example_inputs: Sequence, folder: str, *,
     the fused ops are. Call it for the first run of ``compiled`` (a graph compiled before is not dumped again);
     the FX-graph and AOT caches are off meanwhile so the post-grad graph is really built and written."""
     import depyf
-    import torch._functorch.config as functorch_config
+
+    from .compile import pass_runs
 
     os.makedirs(folder, exist_ok=True)
-    with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False), \
-            functorch_config.patch(enable_autograd_cache=False), depyf.prepare_debug(folder):
+    with pass_runs(), depyf.prepare_debug(folder):
         compiled(*example_inputs, **(example_kwargs or {}))
     return find_fused_ops(folder)

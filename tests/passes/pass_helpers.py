@@ -8,8 +8,8 @@ import contextlib
 
 import pytest
 import torch
-import torch._functorch.config
 
+from moe_lora_compile.compile import pass_runs
 from moe_lora_compile.passes import MoELoRAPass, fused_op_counts
 from moe_lora_compile.passes.fx_match import is_call, shape, skip
 
@@ -70,9 +70,7 @@ class RecordingPass(MoELoRAPass):
 @contextlib.contextmanager
 def pass_always_runs(custom_pass):
     """Run ``custom_pass`` as Inductor's post-grad pass with the FX-graph and AOT caches off (a hit skips it)."""
-    with torch._inductor.config.patch(fx_graph_cache=False, fx_graph_remote_cache=False,
-                                      post_grad_custom_post_pass=custom_pass), \
-            torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
+    with pass_runs(), torch._inductor.config.patch(post_grad_custom_post_pass=custom_pass), torch.no_grad():
         yield
 
 
