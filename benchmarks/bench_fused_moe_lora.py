@@ -324,22 +324,33 @@ def targets(results) -> str:
     return "\n".join(out)
 
 
-# --decode-ablation: (column, config overrides, per-pair configs only). The launcher is called directly so that
-# one run can switch PDL and the top-k fusion per call (``config["pdl"]``, ``config["fuse_topk_sum"]``).
-# "pdl" = PDL with the late trigger (the default), "early" = trigger at program start; "fused" = top-k sum in the
-# w2 kernel (per-pair path), "unfused" = per-pair w2 rows + torch sum (the sorted path is always "unfused").
+# --decode-ablation: (column, config overrides, per-pair configs only), each against the op's own config (tuned
+# entry or heuristic). Overrides use dotted keys for nested entries ("w13.SPLIT_K"). The launcher is called
+# directly so that one run can switch them per call.
+NO_SPLIT = {"w13.SPLIT_K": 1, "w2.SPLIT_K": 1}
 ABLATION_VARIANTS = [
-    ("nopdl_unfused", {"pdl": False, "fuse_topk_sum": False}, False),
-    ("pdl_unfused", {"pdl": "late", "fuse_topk_sum": False}, False),
-    ("early_unfused", {"pdl": "early", "fuse_topk_sum": False}, False),
-    ("nopdl_fused", {"pdl": False, "fuse_topk_sum": True}, True),
-    ("pdl_fused", {"pdl": "late", "fuse_topk_sum": True}, True),
-    ("early_fused", {"pdl": "early", "fuse_topk_sum": True}, True),
+    ("nosplit", NO_SPLIT, False),                       # base GEMMs without split-K (the 2026-12-03 launches)
+    ("nopdl", {"pdl": False}, False),                   # no programmatic dependent launch
+    ("early", {"pdl": "early"}, False),                 # PDL, next kernel launched at program start
+    ("unfused_sum", {"fuse_topk_sum": False}, True),    # per-pair w2 rows + torch top-k sum
 ]
 # per-pair path forced (fused w2 shrink and top-k sum, PDL late) where the tuned/heuristic config is sorted
 FORCED_PER_PAIR = {"per_pair": True, "fuse_shrink2": True, "fuse_topk_sum": True, "pdl": "late"}
-ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "op_us"] + [v[0] for v in ABLATION_VARIANTS] + [
-    "forced_per_pair", "base_nopdl", "base_pdl", "floor_us", "best", "best_us", "best_vs_floor", "old_vs_floor"]
+ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "split13", "split2", "op_us"] + [
+    v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair", "base", "base_nosplit", "floor_us", "op_vs_floor",
+                                        "best", "best_us", "best_vs_floor", "lora_overhead"]
+
+
+def with_overrides(cfg: dict, overrides: dict) -> dict:
+    """A copy of ``cfg`` with ``overrides`` applied; a dotted key ("w13.SPLIT_K") sets a nested entry."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
+    for key, value in overrides.items():
+        if "." in key:
+            outer, inner = key.split(".", 1)
+            out[outer][inner] = value
+        else:
+            out[key] = value
+    return out
 
 
 def launcher_call(layer: Layer, lora, batch, cfg: dict):
@@ -372,29 +383,29 @@ def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, wa
                 cfg = get_config(torch.device("cuda"), g.E, g.H, g.I, R, T, g.k)
 
                 def timed(overrides, bs=batches):
-                    c = dict(cfg, **overrides)
+                    c = with_overrides(cfg, overrides)
                     return time_graph([launcher_call(lay[s % 2], stacks[s], bs[s], c) for s in range(sets)],
                                       warmup_ms, rep_ms)
 
-                row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg["per_pair"] else "sorted"}
+                row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg["per_pair"] else "sorted",
+                       "split13": cfg["w13"].get("SPLIT_K", 1),
+                       "split2": cfg["w2"].get("SPLIT_K", 1) if cfg["per_pair"] else 1}
                 row["op_us"] = time_graph([op_call(lay[s % 2], stacks[s], batches[s]) for s in range(sets)],
                                           warmup_ms, rep_ms)
                 for name, overrides, per_pair_only in ABLATION_VARIANTS:
-                    if per_pair_only and not cfg["per_pair"]:
-                        row[name] = None  # sorted path: no top-k fusion, same as the *_unfused column
-                        continue
-                    row[name] = timed(overrides)
+                    row[name] = None if per_pair_only and not cfg["per_pair"] else timed(overrides)
                 row["forced_per_pair"] = None if cfg["per_pair"] else timed(FORCED_PER_PAIR)
-                row["base_nopdl"] = timed({"pdl": False}, base_batches)
-                row["base_pdl"] = timed({"pdl": "late"}, base_batches)
+                row["base"] = timed({}, base_batches)
+                row["base_nosplit"] = timed(NO_SPLIT, base_batches)
                 nbytes = sum(bytes_moved(g, R, b) for b in batches) / sets
                 row["floor_us"] = nbytes / (hbm_tbs * 1e12) * 1e6
-                candidates = {k: row[k] for k in [v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair"]
+                row["op_vs_floor"] = row["op_us"] / row["floor_us"]
+                candidates = {k: row[k] for k in ["op_us"] + [v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair"]
                               if row[k] is not None}
                 row["best"] = min(candidates, key=candidates.get)
                 row["best_us"] = candidates[row["best"]]
                 row["best_vs_floor"] = row["best_us"] / row["floor_us"]
-                row["old_vs_floor"] = row["nopdl_unfused"] / row["floor_us"]  # the previous session's launches
+                row["lora_overhead"] = row["op_us"] / row["base"] - 1
                 results.append(row)
                 if on_row is not None:
                     on_row(results)
@@ -410,13 +421,11 @@ def ablation_markdown(results) -> str:
     notes = [
         "",
         "us per layer call (median of CUDA-graph replays, L2 flushed, weights alternating two sets), bf16, every "
-        "token with an adapter. `op_us`: torch.ops.moe_lora.fused_moe_lora with the default config and PDL "
-        "setting; `nopdl_unfused`: per-pair w2 rows + torch top-k sum (sorted path: always), PDL off (the previous "
-        "session's launches); `pdl_*`: PDL, next kernel launched after the main loop; `early_*`: PDL, next kernel "
-        "launched at program start; `*_fused`: top-k sum inside the w2 kernel (per-pair path only); "
-        "`forced_per_pair`: per-pair path with both fusions and late PDL where the config picks the sorted one; "
-        "`base_*`: every token -1 (default fusion), PDL off / late; `old_vs_floor` / `best_vs_floor`: "
-        "nopdl_unfused / the best variant over the HBM floor (goal <= 1.3).",
+        "token with an adapter. `op_us`: torch.ops.moe_lora.fused_moe_lora with its own config (`split13`/`split2`: "
+        "its w13 / w2 split-K); the other columns change one thing of that config: `nosplit` no split-K, `nopdl` "
+        "PDL off, `early` PDL triggered at program start, `unfused_sum` per-pair w2 rows + a torch top-k sum, "
+        "`forced_per_pair` the per-pair path where the config is sorted; `base` / `base_nosplit`: every token -1; "
+        "`lora_overhead` = op_us / base - 1; `*_vs_floor`: over the HBM floor (goal <= 1.3).",
     ]
     return "\n".join(lines + notes)
 

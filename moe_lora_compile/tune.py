@@ -3,10 +3,13 @@
     python -m moe_lora_compile.tune --model qwen3-30b-a3b --tokens 1 8 32 128 512 2048 --ranks 16 \
         [--out moe_lora_compile/configs/NVIDIA_H200.json]
 
-Coordinate descent from the heuristic default (:func:`.ops.triton.configs.default_config`): routing mode and
-BLOCK_M, whether the w2 shrink is fused into w13, then the w13 tiles, the w2 tiles, then the shrink's split-K; each candidate is timed as the median of
-``triton.testing.do_bench`` over a CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an
-adapter). Entries are merged into the output file under the GPU name and ``E=..,H=..,I=..,R=..`` shape key.
+Coordinate descent from the heuristic default (:func:`.ops.triton.configs.default_config`), or with
+``--start shipped`` from the entry already in the file: routing mode and BLOCK_M, whether the w2 shrink is fused
+into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's split-K, then PDL (off / late /
+early); ``--groups`` limits the search to some of these coordinates (names in ``GROUPS``). Each candidate is timed
+as the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the whole layer (bf16, L=4 slots, every
+token with an adapter). Entries are merged into the output file under the GPU name and ``E=..,H=..,I=..,R=..``
+shape key, after every (T, R), so a run cut short keeps what it tuned.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ import time
 import torch
 import triton
 
-from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
+from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, num_sms, shape_key
 from .ops.triton.launch import fused_moe_lora_triton
 from .shapes import MODELS, MoEGeometry
 
 GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stages": ((4, 3), (4, 4), (8, 3), (4, 2)),
-                "GROUP_SIZE_M": (1, 8)}
+                "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
 SPLIT_K_CHOICES = (1, 4, 8, 16)
+PDL_CHOICES = (False, "late", "early")
 
 
 def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int):
@@ -59,7 +63,8 @@ def _time(args_sets, cfg) -> float:
 
 
 GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.GROUP_SIZE_M",
-          "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "shrink.SPLIT_K")
+          "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "w2.SPLIT_K",
+          "shrink.SPLIT_K", "pdl")
 
 
 def _candidates(cfg: dict, T: int, g: MoEGeometry, group: str):
@@ -72,6 +77,12 @@ def _candidates(cfg: dict, T: int, g: MoEGeometry, group: str):
             if bm == 16 or pairs / g.E >= bm / 4:
                 yield dict(copy.deepcopy(cfg), per_pair=False, BLOCK_M=bm)
         return
+    if group == "pdl":
+        for value in PDL_CHOICES:
+            yield dict(copy.deepcopy(cfg), pdl=value)
+        return
+    if group == "w2.SPLIT_K" and not cfg["per_pair"]:
+        return  # w2 split-K acts only on the per-pair path (inside the fused top-k sum)
     if group == "fuse_shrink2":
         yield dict(copy.deepcopy(cfg), fuse_shrink2=not cfg.get("fuse_shrink2", cfg["per_pair"]))
         return
@@ -91,12 +102,15 @@ def _candidates(cfg: dict, T: int, g: MoEGeometry, group: str):
         yield c
 
 
-def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4) -> tuple[dict, float, float]:
-    """-> (best config, its us, the default's us) for T tokens, rank R."""
+def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: dict | None = None,
+             groups: tuple = GROUPS) -> tuple[dict, float, float]:
+    """-> (best config, its us, the starting config's us) for T tokens, rank R; ``start`` defaults to the
+    heuristic config."""
     args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
-    best = default_config(g.E, g.H, g.I, R, T, g.k)
+    device = torch.device("cuda")
+    best = copy.deepcopy(start) if start else default_config(g.E, g.H, g.I, R, T, g.k, num_sms(device))
     best_us = default_us = _time(args_sets, best)
-    for group in GROUPS:  # coordinate descent: each group varies the best config so far
+    for group in groups:  # coordinate descent: each group varies the best config so far
         for cfg in _candidates(best, T, g, group):
             if cfg == best:
                 continue
@@ -117,6 +131,10 @@ def main(argv=None):
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048])
     p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
     p.add_argument("--out", help="JSON file to merge into (default: the package's file for this GPU)")
+    p.add_argument("--start", choices=("default", "shipped"), default="default",
+                   help="start from the heuristic config, or from the entry already in the file for this T")
+    p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS), metavar="GROUP",
+                   help=f"coordinates to search, in order (default all: {' '.join(GROUPS)})")
     a = p.parse_args(argv)
     g = MODELS[a.model]
     device = torch.device("cuda")
@@ -131,9 +149,11 @@ def main(argv=None):
             step += 1
             t0 = time.time()
             print(f"[{step}/{total}] {name} {g.name} T={T} R={R}", flush=True)
-            cfg, us, default_us = tune_one(g, T, R)
+            start = entries.get(str(T)) if a.start == "shipped" else None
+            cfg, us, default_us = tune_one(g, T, R, start=start, groups=tuple(a.groups))
             entries[str(T)] = cfg
-            print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us (default {default_us:.1f} us) "
+            print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us ({'shipped' if start else 'default'} "
+                  f"{default_us:.1f} us) "
                   f"in {time.time() - t0:.0f} s: {json.dumps(cfg)}", flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

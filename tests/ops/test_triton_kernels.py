@@ -25,11 +25,13 @@ _GEMM = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_s
 _SHRINK = {"BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
 
 
-def tiny_config(per_pair: bool, fuse_shrink2: bool = False, fuse_topk_sum: bool = True) -> dict:
+def tiny_config(per_pair: bool, fuse_shrink2: bool = False, fuse_topk_sum: bool = True, split13: int = 1,
+                split2: int = 1) -> dict:
     """``fuse_topk_sum`` (per-pair mode, k > 1): the w2 kernel also sums the top-k, per 16-wide H tile (H=32/40:
-    2/3 tiles, the last one masked at H=40)."""
+    2/3 tiles, the last one masked at H=40). ``split13`` / ``split2``: split-K of the w13 / w2 GEMM (w2: per-pair
+    top-k-sum path only), clamped to the number of 16-wide K steps."""
     return {"per_pair": per_pair, "fuse_shrink2": fuse_shrink2, "fuse_topk_sum": fuse_topk_sum, "BLOCK_M": 16,
-            "w13": dict(_GEMM), "w2": dict(_GEMM), "shrink": dict(_SHRINK)}
+            "w13": dict(_GEMM, SPLIT_K=split13), "w2": dict(_GEMM, SPLIT_K=split2), "shrink": dict(_SHRINK)}
 
 
 PATHS = [
@@ -39,6 +41,9 @@ PATHS = [
     pytest.param((False, True), id="sorted-fused"),      # routed blocks, w2 shrink fused into w13
     pytest.param((True, True, False), id="per-pair-w2-then-sum"),  # per-pair w2 (one row per pair), torch top-k sum
     pytest.param((True, False), id="per-pair-shrink2"),  # per-pair, separate w2 shrink, fused w2 + top-k sum
+    pytest.param((True, True, True, 3, 2), id="per-pair-split-k"),  # w13 split-K (3 slices, or as many K steps
+                                                         # as there are: H=32 -> 2), w2 split-K inside the top-k sum
+    pytest.param((False, False, True, 2), id="sorted-split-k"),  # routed blocks, w13 split-K, separate w2 shrink
 ]
 
 
@@ -301,6 +306,25 @@ def test_fused_topk_sum_has_no_separate_sum():
     assert torch.equal(y, fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True)))
 
 
+@pytest.mark.parametrize("k,split2", [
+    (1, 3),  # k=1: the w2 split-K partials alone go through the fused sum (3 slices of I=48)
+    (3, 2),  # k=3 and 2 slices: 6 partials per token and H tile
+])
+def test_split_k_is_deterministic_and_matches(k, split2):
+    """Split-K of w13 (per tile, the last arriver sums in split order) and of w2 (inside the top-k sum): equal to
+    the loop, to the unsplit kernels up to fp32 summation order, and bit for bit the same on a repeat."""
+    c = Case(T=3, H=48, I=48, k=k, L=2, lora="mixed", bias=True, layout="transposed_interleaved",
+             activation="gptoss_swiglu", limit=0.5)
+    args, kwargs = make_inputs(c)
+    cfg = tiny_config(True, True, split13=3, split2=split2)
+    y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
+    torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+    y1 = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True))
+    torch.testing.assert_close(y, y1, rtol=1e-5, atol=1e-5)
+    assert torch.equal(y, fused_moe_lora_triton(*args, **kwargs, config=cfg))
+    assert not _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=cfg)) & {"sum", "zero_", "fill_"}
+
+
 def test_pdl_switches(monkeypatch):
     """PDL: config key over env var over default (late trigger); never on without a CUDA SM90+ device (here:
     never); the launch chain compiles every kernel with USE_PDL=mode and launches all but the first as
@@ -482,6 +506,28 @@ def test_gpu_pdl_and_topk_sum_variants_agree(geometry, T):
         assert _rel_err(y_on, ref) < 1e-2, cfg
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("geometry", [GPT_OSS_20B, QWEN3_30B_A3B], ids=lambda g: g.name)
+@pytest.mark.parametrize("T,per_pair", [(1, True), (3, True), (8, False)])
+def test_gpu_split_k_variants_agree(geometry, T, per_pair):
+    """bf16, real shapes: w13 split-K (and w2 split-K in the per-pair top-k sum) match the fp32 reference, repeat
+    bit for bit, and give the same bits with PDL on and off."""
+    from moe_lora_compile.ops.triton.configs import get_config
+    c = _real_case(geometry, T, L=4, R=16, lora="mixed")
+    args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
+    ref = expert_loop_reference(*args, **kwargs)
+    base = get_config(args[0].device, c.E, c.H, c.I, c.R, T, c.k)
+    base = dict(base, per_pair=per_pair, fuse_shrink2=per_pair, BLOCK_M=16)
+    for split13, split2 in ((1, 1), (3, 1), (8, 2), (2, 4)):
+        cfg = dict(base, w13=dict(base["w13"], SPLIT_K=split13), w2=dict(base["w2"], SPLIT_K=split2))
+        y = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
+        y_again = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
+        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        torch.cuda.synchronize()
+        assert torch.equal(y, y_again) and torch.equal(y, y_pdl), (split13, split2)
+        assert _rel_err(y, ref) < 1e-2, (split13, split2)
+
+
 def _kernel_cache_size(kernel) -> int:
     caches = getattr(kernel, "device_caches", None)
     if caches is not None:
@@ -546,6 +592,38 @@ def test_gpu_opcheck(case):
     torch.library.opcheck(torch.ops.moe_lora.lora_linear.default, (x, w, a.contiguous(), b.contiguous(), ids),
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
+
+
+def test_default_split_k_fills_the_sms():
+    """The heuristic splits K of a per-pair base GEMM whose tiles are fewer than two per SM (to about two programs
+    per SM, slices of >= 4 K steps), never without a known SM count or on the sorted path."""
+    from moe_lora_compile.ops.triton import configs
+    g = GPT_OSS_20B
+    cfg = configs.default_config(g.E, g.H, g.I, 16, 1, g.k, num_sms=132)
+    w13_tiles = g.k * -(-g.I // 64)
+    assert cfg["per_pair"] and cfg["w13"]["SPLIT_K"] > 1
+    assert w13_tiles * cfg["w13"]["SPLIT_K"] >= 132
+    assert g.H // cfg["w13"]["SPLIT_K"] >= 4 * cfg["w13"]["BLOCK_K"]
+    assert configs.default_config(g.E, g.H, g.I, 16, 1, g.k)["w13"]["SPLIT_K"] == 1  # SM count unknown
+    sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k, num_sms=132)
+    assert not sorted_cfg["per_pair"] and sorted_cfg["w13"].get("SPLIT_K", 1) == 1
+
+
+def test_tuner_coordinates():
+    """The tuner's split-K and PDL coordinates: w2 split-K only on the per-pair path; every candidate differs
+    from the config it varies in that coordinate alone."""
+    from moe_lora_compile import tune
+    from moe_lora_compile.ops.triton import configs
+    g = QWEN3_30B_A3B
+    per_pair = configs.default_config(g.E, g.H, g.I, 16, 1, g.k, num_sms=132)
+    sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k, num_sms=132)
+    assert [c["w13"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert [c["w2"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w2.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert list(tune._candidates(sorted_cfg, 512, g, "w2.SPLIT_K")) == []
+    pdl = list(tune._candidates(per_pair, 1, g, "pdl"))
+    assert [c["pdl"] for c in pdl] == [False, "late", "early"]
+    assert all({k: v for k, v in c.items() if k != "pdl"} == per_pair for c in pdl)
+    assert set(tune.GROUPS) >= {"w13.SPLIT_K", "w2.SPLIT_K", "pdl"}
 
 
 def test_config_lookup_buckets_and_fallback(monkeypatch):

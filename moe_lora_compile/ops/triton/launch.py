@@ -14,6 +14,13 @@ bias, times routing weight, one row per pair), then the top-k sum:
 - sorted mode: a torch sum over [T, k, H] (a token's pairs sit in blocks of different experts).
 At decode (per-pair) that is 3 launches: shrink13, w13 (+ shrink2), w2 (+ top-k sum).
 
+Split-K of the base GEMMs (config ``w13.SPLIT_K``, ``w2.SPLIT_K``): at decode a layer has few (pair, column
+tile) programs, fewer than two per SM, so the weights stream from a fraction of the SMs. w13 then splits K: each
+slice writes an fp32 partial, the last slice to arrive at its tile's counter sums them in order and runs the
+epilogue (LoRA expand, bias, activation, fused shrink2); w2 splits K inside the fused top-k sum (the last of a
+token's k*SPLIT_K programs sums every partial). The counters are zeroed by the shrink13 kernel, the first of the
+chain, so there is no memset launch; results are deterministic (fixed summation order, no float atomics).
+
 Every kernel after the first of the chain is launched with programmatic dependent launch on SM90+ (see
 :mod:`.pdl`; ``MOE_LORA_PDL=0`` or config ``"pdl": false`` turns it off).
 """
@@ -53,22 +60,30 @@ def _block_r(R: int) -> int:
     return max(16, triton.next_power_of_2(R))
 
 
+def _k_split(K_dim: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
+    """Split K_dim into at most ``split_k`` slices of whole BLOCK_K steps -> (slices, k_per_split, EVEN_K)."""
+    split_k = max(1, min(split_k, triton.cdiv(K_dim, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(K_dim, split_k), block_k) * block_k
+    return triton.cdiv(K_dim, k_per_split), k_per_split, K_dim % k_per_split == 0
+
+
 def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_k, mode, block_m,
-                   input_by_token, scale_by_weight, cfg, dtype, launch):
-    """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten)."""
+                   input_by_token, scale_by_weight, cfg, dtype, launch, counters=None):
+    """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten).
+    ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it)."""
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
     block_k = _tile(cfg["BLOCK_K"], K_dim)
-    split_k = max(1, min(cfg["SPLIT_K"], triton.cdiv(K_dim, block_k)))
-    k_per_split = triton.cdiv(triton.cdiv(K_dim, split_k), block_k) * block_k
-    split_k = triton.cdiv(K_dim, k_per_split)
+    split_k, k_per_split, even_k = _k_split(K_dim, block_k, cfg["SPLIT_K"])
     s = torch.empty((split_k, grid_m * block_m, R), dtype=torch.float32, device=inp.device)
+    zero = counters is not None and counters.numel() > 0
+    counters = counters if zero else token_lora_ids
     K.lora_shrink_kernel[(grid_m, split_k)](
         inp, inp.stride(0), a, a.stride(0), a.stride(1), a.stride(2), s, topk_weights, token_lora_ids,
         row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m, K_dim, R, top_k, k_per_split,
+        counters, counters.numel(),
         BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
-        SCALE_BY_WEIGHT=scale_by_weight,
-        EVEN_K=K_dim % k_per_split == 0 and k_per_split % block_k == 0,
-        DOT_PRECISION=_dot_precision(dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
+        SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, DOT_PRECISION=_dot_precision(dtype), ZERO_COUNTERS=zero,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
     return s
 
 
@@ -112,12 +127,24 @@ def fused_moe_lora_triton(
     act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     dot_precision = _dot_precision(x.dtype)
 
+    c, c2 = cfg["w13"], cfg["w2"]
+    block_n, block_k = _tile(c["BLOCK_N"], I), _tile(c["BLOCK_K"], H)
+    block_n2, block_k2 = _tile(c2["BLOCK_N"], H), _tile(c2["BLOCK_K"], I)
+    split13, k_per_split13, even_k13 = _k_split(H, block_k, c.get("SPLIT_K", 1))
+    # Top-k sum inside the w2 kernel (per-pair mode): fp32 partial per pair (and K slice), the last of a token's
+    # programs per H tile sums them. w2 split-K exists only on this path.
+    topk_sum = cfg["per_pair"] and cfg.get("fuse_topk_sum", True) and (top_k > 1 or c2.get("SPLIT_K", 1) > 1)
+    split2, k_per_split2, even_k2 = _k_split(I, block_k2, c2.get("SPLIT_K", 1) if topk_sum else 1)
+    # Arrival counters (int32), zeroed by the shrink13 kernel, the first of the chain: w13's per tile (split-K),
+    # then w2's per (token, H tile) (top-k sum).
+    n13 = grid_m * triton.cdiv(I, block_n) if split13 > 1 else 0
+    n2 = T * triton.cdiv(H, block_n2) if topk_sum else 0
+    counters = torch.empty(n13 + n2, dtype=torch.int32, device=x.device)
+
     s13 = _launch_shrink(x, a13, weights_flat, token_lora_ids, meta, K_dim=H, R=R, top_k=top_k, mode=mode,
                          block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
-                         cfg=cfg["shrink"], dtype=x.dtype, launch=chain.next())
+                         cfg=cfg["shrink"], dtype=x.dtype, launch=chain.next(), counters=counters)
 
-    c = cfg["w13"]
-    block_n, block_k = _tile(c["BLOCK_N"], I), _tile(c["BLOCK_K"], H)
     if is_transposed(layout):  # [E, H, 2I]: element (e, k, n)
         w13_strides = (w13.stride(0), w13.stride(1), w13.stride(2))
     else:  # [E, 2I, H]
@@ -128,30 +155,28 @@ def fused_moe_lora_triton(
         s2 = torch.empty((triton.cdiv(I, block_n), rows, R), dtype=torch.float32, device=x.device)
     else:
         s2 = s13  # placeholder; the shrink2 launch below makes the real one
-    c2 = cfg["w2"]
-    block_n2, block_k2 = _tile(c2["BLOCK_N"], H), _tile(c2["BLOCK_K"], I)
-    # Top-k sum inside the w2 kernel (per-pair mode): fp32 partial per pair, the last of a token's k programs per
-    # H tile sums them; arrival counters zeroed by the w13 kernel.
-    topk_sum = cfg["per_pair"] and top_k > 1 and cfg.get("fuse_topk_sum", True)
+    # w13 split-K: fp32 partial gate/up per K slice (valid rows only are written)
+    part = torch.empty((split13, rows, 2 * I) if split13 > 1 else (1,), dtype=torch.float32, device=x.device)
     if topk_sum:
-        counters = torch.empty(T * triton.cdiv(H, block_n2), dtype=torch.int32, device=x.device)
-        out = torch.empty((num_pairs, H), dtype=torch.float32, device=x.device)
+        out = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
         y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     else:
-        counters = token_lora_ids  # unused
         out = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
         y = out
-    K.moe_w13_kernel[(grid_m * triton.cdiv(I, block_n),)](
+    counters13 = counters[:n13] if n13 else token_lora_ids  # (an unused placeholder when there are none)
+    counters2 = counters[n13:] if n2 else token_lora_ids
+    K.moe_w13_kernel[(grid_m * triton.cdiv(I, block_n), split13)](
         x, x.stride(0), w13, *w13_strides, bias13, bias13.stride(0),
         b13, b13.stride(0), b13.stride(1), b13.stride(2), s13, s13.shape[0], s13.stride(0), act, weights_flat,
         token_lora_ids,
         row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, H, I, R, top_k, float(alpha), float(limit),
-        a2, a2.stride(0), a2.stride(1), a2.stride(2), s2, s2.stride(0), counters, counters.numel(),
+        a2, a2.stride(0), a2.stride(1), a2.stride(2), s2, s2.stride(0), part, part.stride(0), counters13,
+        k_per_split13,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, GROUP_SIZE_M=c["GROUP_SIZE_M"],
         MODE=mode, INTERLEAVED=is_interleaved(layout), HAS_BIAS=w13_bias is not None,
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
-        EVEN_K=H % block_k == 0, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
-        ZERO_COUNTERS=topk_sum, num_warps=c["num_warps"], num_stages=c["num_stages"], **chain.next())
+        EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
+        SPLIT_K=split13, num_warps=c["num_warps"], num_stages=c["num_stages"], **chain.next())
 
     if not fuse_shrink2:
         s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R, top_k=top_k, mode=mode,
@@ -163,15 +188,16 @@ def fused_moe_lora_triton(
     else:  # [E, H, I]
         w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))
     bias2 = w2_bias if w2_bias is not None else x
-    K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2),)](
+    K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2), split2)](
         act, act.stride(0), w2, *w2_strides, bias2, bias2.stride(0),
         b2, b2.stride(0), b2.stride(1), b2.stride(2), s2, s2.shape[0], s2.stride(0), out, out.stride(0), weights_flat,
         token_lora_ids,
-        row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, I, H, R, top_k, counters, y, y.stride(0),
+        row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, I, H, R, top_k, counters2, y, y.stride(0),
+        k_per_split2,
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r, GROUP_SIZE_M=c2["GROUP_SIZE_M"],
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
-        EVEN_K=I % block_k2 == 0, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
-        num_warps=c2["num_warps"], num_stages=c2["num_stages"], **chain.next())
+        EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
+        SPLIT_K=split2, num_warps=c2["num_warps"], num_stages=c2["num_stages"], **chain.next())
     if topk_sum or top_k == 1:
         return y
     return out.view(T, top_k, H).sum(dim=1)
@@ -216,6 +242,7 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         x, x.stride(0), weight, 0, weight.stride(1), weight.stride(0), bias_t, 0,
         b, b.stride(0), 0, b.stride(1), s, s.shape[0], s.stride(0), out, out.stride(0), x, token_lora_ids,
         dummy, dummy, dummy, dummy, T, grid_m, n_in, n_out, R, 1, dummy, out, out.stride(0),
+        triton.cdiv(n_in, block_k) * block_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c["GROUP_SIZE_M"],
         MODE=K.DENSE, HAS_BIAS=bias is not None, WEIGHT_ON_OUTPUT=False,
         EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0, DOT_PRECISION=_dot_precision(x.dtype),

@@ -34,9 +34,9 @@ _NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions (a constexpr
 @triton.jit
 def grid_dependency_sync(USE_PDL: tl.constexpr):
     """Programmatic dependent launch (SM90+), first thing in every program of every kernel of a layer's chain,
-    before any load, store or early exit: wait until the previous kernel in the stream has finished and its
-    writes are visible. Each kernel then completes only after its predecessor did, so one wait covers the whole
-    chain (and the caching allocator's reuse of freed buffers).
+    before any load, store or early exit (w13: after its main loop, see :func:`moe_w13_kernel`): wait until the
+    previous kernel in the stream has finished and its writes are visible. Each kernel then completes only after
+    its predecessor did, so one wait covers the whole chain (and the caching allocator's reuse of freed buffers).
 
     ``USE_PDL``: 0 = off (compiles to nothing: interpreter, pre-SM90, a Triton without GDC); 1 = also let the
     next kernel launch right away (``gdc_launch_dependents`` here); 2 = let it launch from
@@ -111,13 +111,16 @@ def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, BLOCK_M: t
 
 
 @triton.jit
-def _expert_gemm(a_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _expert_gemm(a_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """sum over K of a [BLOCK_M, BLOCK_K] tiles (row stride given, k contiguous) @ w [BLOCK_K, BLOCK_N] tiles
-    -> [BLOCK_M, BLOCK_N] fp32. ``n_mask`` masks the columns when not EVEN_N."""
+    """sum over k in [k_start, k_end) of a [BLOCK_M, BLOCK_K] tiles (row stride given, k contiguous; ``a_ptrs`` at
+    k = 0) @ w [BLOCK_K, BLOCK_N] tiles (``w_ptrs`` at k = 0) -> [BLOCK_M, BLOCK_N] fp32. ``n_mask`` masks the
+    columns when not EVEN_N; EVEN_K: the range is a whole number of BLOCK_K steps."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    a_ptrs += k_start
+    w_ptrs += k_start * stride_wk
+    for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             if EVEN_N:
@@ -125,7 +128,7 @@ def _expert_gemm(a_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M: tl.constexpr, BL
             else:
                 w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
         else:
-            k_mask = (k0 + offs_k) < K
+            k_mask = (k0 + offs_k) < k_end
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
@@ -138,16 +141,25 @@ def _expert_gemm(a_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M: tl.constexpr, BL
 def lora_shrink_kernel(
     in_ptr, stride_in, a_ptr, stride_al, stride_ae, stride_ar, s_ptr, topk_weights_ptr, token_lora_ptr,
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, R, top_k, k_per_split,
+    counter_ptr, num_counters,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    DOT_PRECISION: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
 ):
     """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
     fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
-    Rows without LoRA are not written and never read. Grid (grid_m, SPLIT_K). A [L, E, R, K]."""
+    Rows without LoRA are not written and never read. Grid (grid_m, SPLIT_K). A [L, E, R, K].
+
+    ZERO_COUNTERS: also zero ``counter [num_counters]`` int32, the arrival counters of the later kernels of the
+    layer (w13 split-K, w2 top-k sum): the shrink is the first kernel of the chain, so no memset launch."""
     grid_dependency_sync(USE_PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if ZERO_COUNTERS:
+        offs_c = tl.arange(0, 128)
+        first = (pid_k * tl.num_programs(0) + pid_m) * 128
+        for c0 in range(first, num_counters, tl.num_programs(0) * tl.num_programs(1) * 128):
+            tl.store(counter_ptr + c0 + offs_c, tl.zeros([128], dtype=tl.int32), mask=c0 + offs_c < num_counters)
     if MODE == 0:
         if pid_m >= tl.load(num_blocks_ptr):
             return
@@ -207,31 +219,38 @@ def _swizzle(pid, grid_m, num_pid_n, GROUP_SIZE_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit(do_not_specialize=["num_pairs", "grid_m", "num_counters"])
+@triton.jit(do_not_specialize=["num_pairs", "grid_m"])
 def moe_w13_kernel(
     x_ptr, stride_xt, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
     b_ptr, stride_bl, stride_be, stride_bn, s_ptr, num_splits, split_stride, act_ptr, topk_weights_ptr, token_lora_ptr,
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, I, R, top_k, alpha, limit,
-    a2_ptr, stride_a2l, stride_a2e, stride_a2r, s2_ptr, s2_split_stride, counter_ptr, num_counters,
+    a2_ptr, stride_a2l, stride_a2e, stride_a2r, s2_ptr, s2_split_stride, part_ptr, part_split_stride, counter_ptr,
+    k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = 0,
+    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
     (interleaved: one contiguous 2*BLOCK_N tile, split in registers).
     W13 element (e, k, n) at e*stride_we + k*stride_wk + n*stride_wn (both layouts). With FUSE_SHRINK2 it also
     writes the w2 shrink's partial rank vectors of its column tile to ``s2 [cdiv(I, BLOCK_N), rows, R]`` (A2
-    [L, E, R, I]); worth it for small batches (per-pair mode), where it saves a launch. With ZERO_COUNTERS it
-    zeroes ``counter [num_counters]`` int32 for the w2 kernel's top-k sum (no memset launch)."""
-    grid_dependency_sync(USE_PDL)
-    if ZERO_COUNTERS:
-        offs_c = tl.arange(0, 128)
-        for c0 in range(tl.program_id(0) * 128, num_counters, tl.num_programs(0) * 128):
-            tl.store(counter_ptr + c0 + offs_c, tl.zeros([128], dtype=tl.int32), mask=c0 + offs_c < num_counters)
-    pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(I, BLOCK_N), GROUP_SIZE_M)
+    [L, E, R, I]); worth it for small batches (per-pair mode), where it saves a launch.
+
+    SPLIT_K > 1 (grid (tiles, SPLIT_K), program ``p`` on K slice ``[p*k_per_split, (p+1)*k_per_split)``): for
+    small batches, where the tiles alone are too few programs to keep every SM streaming weights. Each program
+    writes its fp32 gate/up partial to ``part [SPLIT_K, rows, 2I]`` (valid rows, this tile's columns) and
+    arrives on the tile's counter (``counter [grid_m * cdiv(I, BLOCK_N)]`` int32, zeroed by the shrink kernel);
+    the last to arrive sums the SPLIT_K partials in split order (deterministic, no float atomics) and alone runs
+    the epilogue: routing weight, LoRA expand, bias, activation, the act store and the fused shrink2.
+
+    PDL: unlike the other kernels, this one waits for its predecessor (shrink13) only after the main loop, which
+    reads nothing shrink13 writes (x, W13, routing data: all written before shrink13 passed its own wait, and so
+    before this kernel could launch); the weights stream while shrink13 still runs."""
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, num_pid_n, GROUP_SIZE_M)
+    pid_k = tl.program_id(1)
     if MODE == 0:
         if pid_m >= tl.load(num_blocks_ptr):
             return
@@ -242,38 +261,27 @@ def moe_w13_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_mask = offs_j < I
+    rows = pid_m * BLOCK_M + offs_m
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = x_ptr + token.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
     w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
-    has_lora = valid & (lora >= 0)
-    rows = pid_m * BLOCK_M + offs_m
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
-    b_base = expert * stride_be + offs_r[:, None]
-    if WEIGHT_ON_INPUT:
-        weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    gate_cols = offs_j
+    up_cols = offs_j + I
+    # Main loop: this program's K slice of the base GEMM.
     if INTERLEAVED:
         # One contiguous tile of 2*BLOCK_N columns (gate, up, gate, up, ...), split after the epilogue adds.
         cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         col_mask = cols < 2 * I
-        h = _expert_gemm(x_ptrs, w_base + cols[None, :] * stride_wn, K, stride_wk, col_mask,
+        h = _expert_gemm(x_ptrs, w_base + cols[None, :] * stride_wn, k_start, k_end, stride_wk, col_mask,
                          BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
-        if WEIGHT_ON_INPUT:
-            h = h * weight[:, None]
-        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + cols[None, :] * stride_bn,
-                          r_mask[:, None] & col_mask[None, :], BLOCK_M, 2 * BLOCK_N, DOT_PRECISION)
-        if HAS_BIAS:
-            h += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
     else:
-        gate_cols = offs_j
-        up_cols = offs_j + I
-        wg_ptrs = w_base + gate_cols[None, :] * stride_wn
-        wu_ptrs = w_base + up_cols[None, :] * stride_wn
+        wg_ptrs = w_base + gate_cols[None, :] * stride_wn + k_start * stride_wk
+        wu_ptrs = w_base + up_cols[None, :] * stride_wn + k_start * stride_wk
+        x_ptrs += k_start
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
                 x = tl.load(x_ptrs)
                 if EVEN_N:
@@ -283,7 +291,7 @@ def moe_w13_kernel(
                     wg = tl.load(wg_ptrs, mask=j_mask[None, :], other=0.0)
                     wu = tl.load(wu_ptrs, mask=j_mask[None, :], other=0.0)
             else:
-                k_mask = (k0 + offs_k) < K
+                k_mask = (k0 + offs_k) < k_end
                 x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
                 wg = tl.load(wg_ptrs, mask=k_mask[:, None] & j_mask[None, :], other=0.0)
                 wu = tl.load(wu_ptrs, mask=k_mask[:, None] & j_mask[None, :], other=0.0)
@@ -292,10 +300,58 @@ def moe_w13_kernel(
             x_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
-        if WEIGHT_ON_INPUT:  # s13 already carries the routing weight when it is on the input
+    grid_dependency_sync(USE_PDL)  # now shrink13's rank vectors and zeroed counters are visible
+    launch_dependents(USE_PDL)
+    if SPLIT_K > 1:
+        # Split-K: publish this slice's partial, arrive; the last arriver continues with the sum of all slices.
+        part_rows = part_ptr + rows.to(tl.int64)[:, None] * (2 * I)
+        if INTERLEAVED:
+            h_ptrs = part_rows + cols[None, :]
+            h_mask = valid[:, None] & col_mask[None, :]
+            tl.store(h_ptrs + pid_k * part_split_stride, h, mask=h_mask)
+        else:
+            g_ptrs = part_rows + gate_cols[None, :]
+            u_ptrs = part_rows + up_cols[None, :]
+            gu_mask = valid[:, None] & j_mask[None, :]
+            tl.store(g_ptrs + pid_k * part_split_stride, gate, mask=gu_mask)
+            tl.store(u_ptrs + pid_k * part_split_stride, up, mask=gu_mask)
+        tl.debug_barrier()  # every thread's partial stores before the (release) arrival
+        arrived = tl.atomic_add(counter_ptr + pid_m * num_pid_n + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived != SPLIT_K - 1:
+            return
+        # The tile's other SPLIT_K - 1 partials are written and visible: sum all of them in split order.
+        if INTERLEAVED:
+            h = tl.load(h_ptrs, mask=h_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, SPLIT_K):
+                h += tl.load(h_ptrs + sp * part_split_stride, mask=h_mask, other=0.0, cache_modifier=".cg")
+        else:
+            gate = tl.load(g_ptrs, mask=gu_mask, other=0.0, cache_modifier=".cg")
+            up = tl.load(u_ptrs, mask=gu_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, SPLIT_K):
+                gate += tl.load(g_ptrs + sp * part_split_stride, mask=gu_mask, other=0.0, cache_modifier=".cg")
+                up += tl.load(u_ptrs + sp * part_split_stride, mask=gu_mask, other=0.0, cache_modifier=".cg")
+
+    # Epilogue: routing weight (on input), LoRA delta before the activation, bias, activation.
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    has_lora = valid & (lora >= 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
+    b_base = expert * stride_be + offs_r[:, None]
+    if WEIGHT_ON_INPUT:  # s13 already carries the routing weight when it is on the input
+        weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        if WEIGHT_ON_INPUT:
+            h = h * weight[:, None]
+        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + cols[None, :] * stride_bn,
+                          r_mask[:, None] & col_mask[None, :], BLOCK_M, 2 * BLOCK_N, DOT_PRECISION)
+        if HAS_BIAS:
+            h += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        if WEIGHT_ON_INPUT:
             gate = gate * weight[:, None]
             up = up * weight[:, None]
-        # LoRA delta before the activation.
         b_mask = r_mask[:, None] & j_mask[None, :]
         gate += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + gate_cols[None, :] * stride_bn, b_mask,
                              BLOCK_M, BLOCK_N, DOT_PRECISION)
@@ -305,7 +361,6 @@ def moe_w13_kernel(
             gate += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=j_mask,
                             other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=j_mask, other=0.0).to(tl.float32)[None, :]
-    launch_dependents(USE_PDL)
     if ACTIVATION == 0:
         act = gate * tl.sigmoid(gate) * up
     else:
@@ -340,11 +395,11 @@ def moe_w2_kernel(
     b_ptr, stride_bl, stride_be, stride_bn, s_ptr, num_splits, split_stride, out_ptr, stride_out, topk_weights_ptr,
     token_lora_ptr,
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, N, R, top_k,
-    counter_ptr, y_ptr, stride_y,
+    counter_ptr, y_ptr, stride_y, k_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_OUTPUT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
-    USE_PDL: tl.constexpr = 0,
+    SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM (and lora_linear).
 
@@ -354,9 +409,14 @@ def moe_w2_kernel(
     TOPK_SUM (PER_PAIR mode): ``out`` is an fp32 scratch [pairs, N]; the program that finishes last among the
     k pairs of a token (per N tile; ``counter [T, cdiv(N, BLOCK_N)]`` int32, zeroed by the w13 kernel) sums the
     k fp32 rows in pair order and writes ``y [T, N]`` (x.dtype): the top-k sum without its own launch,
-    deterministic (fixed order, no float atomics), with the per-pair grid's parallelism."""
+    deterministic (fixed order, no float atomics), with the per-pair grid's parallelism.
+
+    SPLIT_K > 1 (TOPK_SUM only; grid (tiles, SPLIT_K)): program ``p`` does K slice ``[p*k_per_split, ...)`` and
+    writes its partial (times the routing weight; LoRA and bias in slice 0 only) to scratch row
+    ``p*num_pairs + pair``; the last of the token's top_k*SPLIT_K programs of the tile sums them all."""
     grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
+    pid_k = tl.program_id(1)
     if MODE == 0:
         if pid_m >= tl.load(num_blocks_ptr):
             return
@@ -374,11 +434,14 @@ def moe_w2_kernel(
         in_rows = rows.to(tl.int64)
     in_ptrs = in_ptr + in_rows[:, None] * stride_in + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-    acc = _expert_gemm(in_ptrs, w_ptrs, K, stride_wk, n_mask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
-                       DOT_PRECISION)
+    k_start = pid_k * k_per_split
+    acc = _expert_gemm(in_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
     launch_dependents(USE_PDL)
 
     lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    if SPLIT_K > 1:  # the LoRA delta (and bias) once, in slice 0
+        lora = tl.where(pid_k == 0, lora, -1)
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -387,23 +450,29 @@ def moe_w2_kernel(
     acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, r_mask[:, None] & n_mask[None, :],
                         BLOCK_M, BLOCK_N, DOT_PRECISION)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SPLIT_K > 1:
+            bias = tl.where(pid_k == 0, bias, 0.0)
+        acc += bias[None, :]
     if WEIGHT_ON_OUTPUT:
         weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
-    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    out_ptrs = out_ptr + (pid_k * num_pairs + pair).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
     if TOPK_SUM:
         # Arrive: all threads' partial stores happen before one thread's acq_rel atomic (release side).
         tl.debug_barrier()
         tok = pid_m // top_k
         arrived = tl.atomic_add(counter_ptr + tok * tl.cdiv(N, BLOCK_N) + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == top_k - 1:  # the token's other k-1 partials of this tile are written and visible
+        if arrived == top_k * SPLIT_K - 1:  # the token's other partials of this tile are written and visible
             y = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for j0 in range(0, top_k, BLOCK_M):
-                rows_j = j0 + offs_m
-                part = tl.load(out_ptr + (tok * top_k + rows_j).to(tl.int64)[:, None] * stride_out + offs_n[None, :],
-                               mask=(rows_j < top_k)[:, None] & n_mask[None, :], other=0.0, cache_modifier=".cg")
-                y += tl.sum(part, axis=0)
+            for sp in range(0, SPLIT_K):
+                for j0 in range(0, top_k, BLOCK_M):
+                    rows_j = j0 + offs_m
+                    part_rows = (sp * num_pairs + tok * top_k + rows_j).to(tl.int64)
+                    part = tl.load(out_ptr + part_rows[:, None] * stride_out + offs_n[None, :],
+                                   mask=(rows_j < top_k)[:, None] & n_mask[None, :], other=0.0,
+                                   cache_modifier=".cg")
+                    y += tl.sum(part, axis=0)
             tl.store(y_ptr + tok.to(tl.int64) * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 

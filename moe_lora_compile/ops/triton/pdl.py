@@ -4,7 +4,8 @@ arguments of each kernel in the chain.
 With PDL (SM90+), a kernel launched with ``launch_pdl=True`` may start while the previous kernel in the stream
 is still running; each of our kernels calls ``gdc_wait`` (then ``gdc_launch_dependents``) before touching memory
 (:func:`.moe_kernels.grid_dependency_sync`), so only the launch latency and prologue overlap, and every kernel
-finishes after its predecessor did.
+finishes after its predecessor did. One exception: the w13 kernel streams its weights before it waits for the
+shrink13 kernel, since its main loop reads nothing shrink13 writes.
 
 Used only where it is safe:
 - a CUDA device of compute capability >= 9.0, not ROCm, not Triton's interpreter;
