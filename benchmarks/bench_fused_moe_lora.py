@@ -329,7 +329,9 @@ def targets(results) -> str:
 # directly so that one run can switch them per call.
 NO_SPLIT = {"w13.SPLIT_K": 1, "w2.SPLIT_K": 1}
 ABLATION_VARIANTS = [
-    ("nosplit", NO_SPLIT, False),                       # base GEMMs without split-K (the 2026-12-03 launches)
+    ("nosplit", NO_SPLIT, False),                       # base GEMMs without split-K
+    ("split", {"w13.SPLIT_K": 4, "w2.SPLIT_K": 2}, True),  # w13 K in 4 slices, w2 K in 2 (per-pair path)
+    ("no_overlap", {"w13_overlap": False}, False),      # w13 waits for shrink13 before its main loop
     ("nopdl", {"pdl": False}, False),                   # no programmatic dependent launch
     ("early", {"pdl": "early"}, False),                 # PDL, next kernel launched at program start
     ("unfused_sum", {"fuse_topk_sum": False}, True),    # per-pair w2 rows + torch top-k sum
@@ -422,7 +424,8 @@ def ablation_markdown(results) -> str:
         "",
         "us per layer call (median of CUDA-graph replays, L2 flushed, weights alternating two sets), bf16, every "
         "token with an adapter. `op_us`: torch.ops.moe_lora.fused_moe_lora with its own config (`split13`/`split2`: "
-        "its w13 / w2 split-K); the other columns change one thing of that config: `nosplit` no split-K, `nopdl` "
+        "its w13 / w2 split-K); the other columns change one thing of that config: `nosplit` no split-K, `split` "
+        "w13 split-K 4 and w2 split-K 2, `no_overlap` w13 waits for shrink13 before its main loop, `nopdl` "
         "PDL off, `early` PDL triggered at program start, `unfused_sum` per-pair w2 rows + a torch top-k sum, "
         "`forced_per_pair` the per-pair path where the config is sorted; `base` / `base_nosplit`: every token -1; "
         "`lora_overhead` = op_us / base - 1; `*_vs_floor`: over the HBM floor (goal <= 1.3).",

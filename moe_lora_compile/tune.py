@@ -23,7 +23,7 @@ import time
 import torch
 import triton
 
-from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, num_sms, shape_key
+from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
 from .ops.triton.launch import fused_moe_lora_triton
 from .shapes import MODELS, MoEGeometry
 
@@ -107,8 +107,7 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: dict | None = No
     """-> (best config, its us, the starting config's us) for T tokens, rank R; ``start`` defaults to the
     heuristic config."""
     args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
-    device = torch.device("cuda")
-    best = copy.deepcopy(start) if start else default_config(g.E, g.H, g.I, R, T, g.k, num_sms(device))
+    best = copy.deepcopy(start) if start else default_config(g.E, g.H, g.I, R, T, g.k)
     best_us = default_us = _time(args_sets, best)
     for group in groups:  # coordinate descent: each group varies the best config so far
         for cfg in _candidates(best, T, g, group):

@@ -339,6 +339,11 @@ def test_pdl_switches(monkeypatch):
     for value, mode in (("1", pdl.LATE), ("late", pdl.LATE), ("EARLY", pdl.EARLY), ("off", pdl.OFF)):
         monkeypatch.setenv(pdl.ENV_VAR, value)
         assert pdl.pdl_requested() == mode
+    # a tuned entry's "pdl" (env_first) yields to the variable when it is set, not otherwise
+    monkeypatch.setenv(pdl.ENV_VAR, "0")
+    assert pdl.pdl_requested({"pdl": "early"}, env_first=True) == pdl.OFF
+    monkeypatch.delenv(pdl.ENV_VAR)
+    assert pdl.pdl_requested({"pdl": "early"}, env_first=True) == pdl.EARLY
     monkeypatch.setenv(pdl.ENV_VAR, "sometimes")
     with pytest.raises(ValueError, match="PDL setting"):
         pdl.pdl_requested()
@@ -594,29 +599,14 @@ def test_gpu_opcheck(case):
                                       "test_aot_dispatch_dynamic"))
 
 
-def test_default_split_k_fills_the_sms():
-    """The heuristic splits K of a per-pair base GEMM whose tiles are fewer than two per SM (to about two programs
-    per SM, slices of >= 4 K steps), never without a known SM count or on the sorted path."""
-    from moe_lora_compile.ops.triton import configs
-    g = GPT_OSS_20B
-    cfg = configs.default_config(g.E, g.H, g.I, 16, 1, g.k, num_sms=132)
-    w13_tiles = g.k * -(-g.I // 64)
-    assert cfg["per_pair"] and cfg["w13"]["SPLIT_K"] > 1
-    assert w13_tiles * cfg["w13"]["SPLIT_K"] >= 132
-    assert g.H // cfg["w13"]["SPLIT_K"] >= 4 * cfg["w13"]["BLOCK_K"]
-    assert configs.default_config(g.E, g.H, g.I, 16, 1, g.k)["w13"]["SPLIT_K"] == 1  # SM count unknown
-    sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k, num_sms=132)
-    assert not sorted_cfg["per_pair"] and sorted_cfg["w13"].get("SPLIT_K", 1) == 1
-
-
 def test_tuner_coordinates():
     """The tuner's split-K and PDL coordinates: w2 split-K only on the per-pair path; every candidate differs
     from the config it varies in that coordinate alone."""
     from moe_lora_compile import tune
     from moe_lora_compile.ops.triton import configs
     g = QWEN3_30B_A3B
-    per_pair = configs.default_config(g.E, g.H, g.I, 16, 1, g.k, num_sms=132)
-    sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k, num_sms=132)
+    per_pair = configs.default_config(g.E, g.H, g.I, 16, 1, g.k)
+    sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k)
     assert [c["w13"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
     assert [c["w2"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w2.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
     assert list(tune._candidates(sorted_cfg, 512, g, "w2.SPLIT_K")) == []

@@ -10,9 +10,10 @@ missing rank bucket takes the nearest tuned rank of the same layer shape. A conf
      "shrink": {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"},
      optional, per-pair mode with k > 1 only:
      "fuse_topk_sum": bool (default true: the w2 kernel also does the top-k sum, no separate sum launch),
+     "w13_overlap": bool (default true: with PDL, w13 streams its weights before waiting for shrink13),
      optional anywhere:
-     "pdl": false | true | "early" | "late" (programmatic dependent launch, see :mod:`.pdl`; default: env
-            ``MOE_LORA_PDL``)}
+     "pdl": false | true | "early" | "late" (programmatic dependent launch, see :mod:`.pdl`; without it: env
+            ``MOE_LORA_PDL``, default late; in a tuned entry it yields to ``MOE_LORA_PDL`` when that is set)}
 """
 
 from __future__ import annotations
@@ -57,18 +58,10 @@ def _even_block_k(K: int) -> int:
     return next((b for b in (128, 64, 32) if K % b == 0), 64)
 
 
-def _gemm_split_k(programs: int, K: int, block_k: int, num_sms: int) -> int:
-    """Split-K for a base GEMM whose tiles alone are ``programs``: enough slices for about two programs per SM,
-    each slice at least 4 BLOCK_K steps, at most 8 (1 when the SM count is unknown)."""
-    if num_sms <= 0 or programs >= 2 * num_sms:
-        return 1
-    return max(1, min(8, -(-2 * num_sms // programs), K // (4 * block_k)))
-
-
-def default_config(E: int, H: int, I: int, R: int, T: int, k: int, num_sms: int = 0) -> dict:
+def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> dict:
     """Heuristic config when no tuned entry exists: per-pair blocks for tiny batches, BLOCK_M grows with the
-    average number of pairs per expert, split-K for the shrink when there are few blocks, and (per-pair mode,
-    ``num_sms`` known) split-K for the base GEMMs whose tiles are fewer than two per SM."""
+    average number of pairs per expert, split-K for the shrink when there are few blocks. No split-K for the base
+    GEMMs: on the H200 the tuner found none that paid at decode (2026-12-03, BENCHMARKS.md)."""
     pairs = T * k
     per_pair = pairs * pairs <= 2 * E
     per_expert = pairs / E
@@ -80,20 +73,8 @@ def default_config(E: int, H: int, I: int, R: int, T: int, k: int, num_sms: int 
         return {"BLOCK_N": 64, "BLOCK_K": _even_block_k(K), "GROUP_SIZE_M": 1 if small else 8,
                 "num_warps": 4, "num_stages": 4 if small else 3}
 
-    w13, w2 = gemm(H), gemm(I)
-    if per_pair:
-        w13["SPLIT_K"] = _gemm_split_k(pairs * -(-I // 64), H, w13["BLOCK_K"], num_sms)
-        w2["SPLIT_K"] = _gemm_split_k(pairs * -(-H // 64), I, w2["BLOCK_K"], num_sms)
-    return {"per_pair": per_pair, "fuse_shrink2": per_pair, "BLOCK_M": block_m, "w13": w13, "w2": w2,
+    return {"per_pair": per_pair, "fuse_shrink2": per_pair, "BLOCK_M": block_m, "w13": gemm(H), "w2": gemm(I),
             "shrink": {"BLOCK_K": 128, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 3}}
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (0 elsewhere)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int) -> dict:
@@ -106,7 +87,7 @@ def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: 
         if ranks:
             buckets = table[prefix + str(min(ranks, key=lambda r: abs(r - R)))]
     if not buckets:
-        return default_config(E, H, I, R, T, k, num_sms(device))
+        return default_config(E, H, I, R, T, k)
     sizes = sorted(int(t) for t in buckets)
     below = [t for t in sizes if t <= T]
     return buckets[str(below[-1] if below else sizes[0])]

@@ -113,7 +113,7 @@ def fused_moe_lora_triton(
     weights_flat = topk_weights.reshape(-1).contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a13, b13, a2, b2 = (_last_dim_contiguous(t) for t in (lora_a13, lora_b13, lora_a2, lora_b2))
-    chain = LaunchChain(use_pdl(x.device, cfg))
+    chain = LaunchChain(use_pdl(x.device, cfg, env_first=config is None))
     if cfg["per_pair"]:
         mode, grid_m = K.PER_PAIR, num_pairs
         row_pair = block_expert = num_blocks = topk_flat  # unused in this mode
@@ -176,7 +176,8 @@ def fused_moe_lora_triton(
         MODE=mode, INTERLEAVED=is_interleaved(layout), HAS_BIAS=w13_bias is not None,
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
         EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
-        SPLIT_K=split13, num_warps=c["num_warps"], num_stages=c["num_stages"], **chain.next())
+        SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.get("w13_overlap", True), num_warps=c["num_warps"],
+        num_stages=c["num_stages"], **chain.next())
 
     if not fuse_shrink2:
         s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R, top_k=top_k, mode=mode,

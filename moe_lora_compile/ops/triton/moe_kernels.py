@@ -229,7 +229,8 @@ def moe_w13_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
+    DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    WAIT_AFTER_MAIN_LOOP: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
@@ -245,9 +246,11 @@ def moe_w13_kernel(
     the last to arrive sums the SPLIT_K partials in split order (deterministic, no float atomics) and alone runs
     the epilogue: routing weight, LoRA expand, bias, activation, the act store and the fused shrink2.
 
-    PDL: unlike the other kernels, this one waits for its predecessor (shrink13) only after the main loop, which
-    reads nothing shrink13 writes (x, W13, routing data: all written before shrink13 passed its own wait, and so
-    before this kernel could launch); the weights stream while shrink13 still runs."""
+    PDL (WAIT_AFTER_MAIN_LOOP): unlike the other kernels, this one waits for its predecessor (shrink13) only after
+    the main loop, which reads nothing shrink13 writes (x, W13, routing data: all written before shrink13 passed
+    its own wait, and so before this kernel could launch); the weights stream while shrink13 still runs."""
+    if not WAIT_AFTER_MAIN_LOOP:
+        grid_dependency_sync(USE_PDL)
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, num_pid_n, GROUP_SIZE_M)
     pid_k = tl.program_id(1)
@@ -300,7 +303,8 @@ def moe_w13_kernel(
             x_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
-    grid_dependency_sync(USE_PDL)  # now shrink13's rank vectors and zeroed counters are visible
+    if WAIT_AFTER_MAIN_LOOP:
+        grid_dependency_sync(USE_PDL)  # now shrink13's rank vectors and zeroed counters are visible
     launch_dependents(USE_PDL)
     if SPLIT_K > 1:
         # Split-K: publish this slice's partial, arrive; the last arriver continues with the sum of all slices.

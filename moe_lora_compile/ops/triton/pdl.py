@@ -20,8 +20,9 @@ Used only where it is safe:
 
 Switch: ``MOE_LORA_PDL`` = ``0`` (off), ``1`` / ``late`` (the default where supported: the next kernel may launch
 once this one's programs are past their main loop), ``early`` (the next kernel may launch as soon as all of this
-one's programs have started); a config's ``"pdl"`` key (false / true / "early" / "late") overrides the
-environment for one call (the benchmark's on/off ablation).
+one's programs have started). A config's ``"pdl"`` key (false / true / "early" / "late"): in a config passed to
+the launcher it overrides the environment for one call (the benchmark's on/off ablation); in a tuned entry of the
+shipped JSON it is the default that ``MOE_LORA_PDL``, when set, overrides.
 """
 
 from __future__ import annotations
@@ -82,17 +83,21 @@ def _mode(value) -> int:
     return _MODES[key]
 
 
-def pdl_requested(config: Optional[dict] = None) -> int:
+def pdl_requested(config: Optional[dict] = None, *, env_first: bool = False) -> int:
     """The requested mode (OFF / EARLY / LATE): the config's ``"pdl"`` if it has one, else ``MOE_LORA_PDL``
-    (default LATE)."""
+    (default LATE). ``env_first`` (a tuned or heuristic config, not one the caller passed): ``MOE_LORA_PDL``,
+    when set, wins over the config's key, so the variable switches PDL off whatever the shipped tuning says."""
+    env = os.environ.get(ENV_VAR)
+    if env_first and env is not None:
+        return _mode(env)
     if config is not None and config.get("pdl") is not None:
         return _mode(config["pdl"])
-    return _mode(os.environ.get(ENV_VAR, "late"))
+    return _mode(env if env is not None else "late")
 
 
-def use_pdl(device: torch.device, config: Optional[dict] = None) -> int:
+def use_pdl(device: torch.device, config: Optional[dict] = None, *, env_first: bool = False) -> int:
     """The mode to launch with on ``device``: the requested one where supported, else OFF."""
-    mode = pdl_requested(config)
+    mode = pdl_requested(config, env_first=env_first)
     return mode if mode and pdl_supported(device) else OFF
 
 
