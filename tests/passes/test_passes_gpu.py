@@ -7,9 +7,20 @@ import torch
 
 from pass_helpers import RecordingPass, pass_always_runs
 from test_hf_experts import CASES, ExpertsZoo
-from test_reference_patterns import H, MOE_VARIANTS, N_LINEAR, Zoo
+from test_reference_patterns import H, K, MOE_VARIANTS, N_LINEAR, Zoo
 
 pytestmark = pytest.mark.gpu
+
+# bf16: tokens whose K-th and (K+1)-th router probabilities (fp32) are closer than this may be routed to different
+# experts by the eager graph and the compiled one (logits rounded to bf16 or not before the softmax; exact bf16
+# ties at the top-k boundary occur for about 1 token in 15 at these sizes), so their MoE outputs are not compared.
+ROUTING_MARGIN = {torch.bfloat16: 2e-2, torch.float32: 0.0}
+
+
+def clear_routing(layer, x, margin: float):
+    """[T] bool: the token's top-K experts do not depend on how the router's products round."""
+    p = (x.float() @ layer.router.float()).softmax(-1).sort(-1, descending=True).values
+    return p[:, K - 1] - p[:, K] > margin
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -23,6 +34,10 @@ def test_reference_variants_on_cuda(dtype):
             x = torch.randn(T, H, dtype=dtype, device="cuda")
             torch._dynamo.mark_dynamic(x, 0)
             for i, (got, want) in enumerate(zip(compiled(x), model(x))):
+                if i < len(MOE_VARIANTS):  # MoE outputs: rows with an unambiguous routing
+                    rows = clear_routing(model.moe[i], x, ROUTING_MARGIN[dtype])
+                    assert rows.sum() >= T // 2, f"output {i}: too few tokens with a clear routing to compare"
+                    got, want = got[rows], want[rows]
                 torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2, msg=lambda m: f"output {i}: {m}")
     assert len(recorder.graphs) == 1
     assert recorder.graphs[0]["fused_moe_lora"] == len(MOE_VARIANTS)
