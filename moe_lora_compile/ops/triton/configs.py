@@ -10,8 +10,8 @@ missing rank bucket takes the nearest tuned rank of the same layer shape. A conf
      "shrink": {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"},
      optional, per-pair mode with k > 1 only:
      "fuse_topk_sum": bool (default true: the w2 kernel also does the top-k sum, no separate sum launch),
-     "w13_overlap": bool (default true: with PDL, w13 streams its weights before waiting for shrink13),
      optional anywhere:
+     "w13_overlap": bool (default true: with PDL, w13 streams its weights before waiting for shrink13),
      "pdl": false | true | "early" | "late" (programmatic dependent launch, see :mod:`.pdl`; without it: env
             ``MOE_LORA_PDL``, default late; in a tuned entry it yields to ``MOE_LORA_PDL`` when that is set)}
 """
