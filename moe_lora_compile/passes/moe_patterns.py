@@ -129,6 +129,44 @@ def _bmm_operands(node: Node) -> Optional[tuple]:
     return None
 
 
+def _without_sentinel_mask(node: Node) -> Node:
+    """``x.masked_fill(ids >= E, 0)`` -> ``x`` (through views and casts); anything else comes back as is.
+
+    transformers 5.17-5.2x zero the rows of expert-parallel sentinel ids (``>= num_experts``) this way. Without
+    expert parallelism no id reaches E (they come from a top-k over E experts), and the fused op asserts ids in
+    ``[0, E)``, so dropping the mask never hides a sentinel silently."""
+    inner = skip(node)
+    if is_call(inner, aten.masked_fill.Scalar) and inner.args[2] == 0:  # as traced
+        mask, kept = inner.args[1], inner.args[0]
+    elif is_call(inner, aten.where.self) and _is_zero(inner.args[1]):  # as Inductor decomposes it
+        mask, kept = inner.args[0], inner.args[2]
+    else:
+        return node
+    return kept if is_call(skip(mask), aten.ge.Scalar) else node
+
+
+def _is_zero(node) -> bool:
+    """A literal 0 or a 0-d ``full(.., 0)`` / ``scalar_tensor(0)`` node."""
+    if isinstance(node, (int, float)):
+        return node == 0
+    node = skip(node)
+    if is_call(node, aten.full.default):
+        return node.args[1] == 0
+    if is_call(node, aten.scalar_tensor.default):
+        return node.args[0] == 0
+    return False
+
+
+def _without_id_clamp(node: Node) -> Node:
+    """``ids.clamp(0, E - 1)`` (or ``clamp_max``) of integer expert ids -> ``ids``: transformers' in-bounds clamp of
+    expert-parallel sentinels, a no-op for ids from a top-k (see :func:`_without_sentinel_mask`)."""
+    inner = skip(node)
+    clamps = (aten.clamp.default, aten.clamp_max.default, aten.clamp_min.default)
+    while is_call(inner, *clamps) and isinstance(val(inner), torch.Tensor) and not val(inner).dtype.is_floating_point:
+        node, inner = inner.args[0], skip(inner.args[0])
+    return node
+
+
 def _cast_free(node: Node) -> Node:
     while is_call(node, *CASTS):
         node = node.args[0]
@@ -197,7 +235,7 @@ def _grouped_term(term: Node):
 def parse_projection(root: Node, grouped: bool) -> Projection:
     """Read one expert projection (base term, optional LoRA term, optional bias term) ending at ``root``."""
     require(isinstance(root, Node), f"{name(root)} is a constant, not a projection")
-    terms = _sum_terms(root)
+    terms = _sum_terms(_without_sentinel_mask(root))
     base, lora, bias = [], [], []
     for term in terms:
         if grouped:
@@ -389,7 +427,7 @@ def match_pairwise(anchor: Node) -> MoEMatch:
     require(_has_shape(x_side, (T, k, H)), f"{h.name}: x is not repeated token-major to the (token, k) pairs")
     x = find_in_chain(x_side, (T, H))
     topk_weights = find_in_chain(weights, (T, k))
-    topk_ids = find_in_chain(down.experts, (T, k))
+    topk_ids = find_in_chain(_without_id_clamp(down.experts), (T, k))
 
     lora, ids = None, None
     require((up.lora_a is None) == (down.lora_a is None), "LoRA on only one of the two projections")
@@ -448,7 +486,7 @@ def match_grouped(anchor: Node) -> MoEMatch:
     for proj in (up, down):
         require(proj.bias is None or _is_sorted_ids(proj.bias_experts, sort),
                 f"{proj.root.name}: bias not gathered with the sorted expert ids")
-    gathered = _gather(up.inp, 2, 1)
+    gathered = _gather(_without_sentinel_mask(up.inp), 2, 1)
     require(gathered is not None, f"{h.name}: grouped input is not x[perm // k]")
     x_flat, (row,) = gathered
     row = skip(row)
@@ -471,7 +509,7 @@ def _require_offsets_count(offs: Node, sort: Node) -> None:
 
 
 def _is_sorted_ids(node: Node, sort: Node) -> bool:
-    ids = skip(node)
+    ids = skip(_without_id_clamp(node))
     return is_call(ids, operator.getitem) and ids.args[0] is sort and ids.args[1] == 0
 
 
