@@ -25,6 +25,7 @@ continues from its own length: per-row positions (RoPE) come from ``state.length
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -58,6 +59,17 @@ class ScalarsWithoutHostCopies(TorchFunctionMode):
                                                 if isinstance(value, int) else torch.get_default_dtype())
                 return torch.full((), value, dtype=dtype, device=device)
         return func(*args, **kwargs)
+
+
+def _decode_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
+    """One decode / verify step of ``model`` (static shapes per bucket) -> logits. Its own function, so that the
+    compiled decode step has a Dynamo cache of its own (one static graph per bucket), apart from the prefill's."""
+    return model(input_ids=input_ids, **kwargs).logits
+
+
+def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
+    """One prefill chunk of ``model`` -> logits (compiled with a dynamic chunk length)."""
+    return model(input_ids=input_ids, **kwargs).logits
 
 
 def _local_attention_window(config) -> Optional[int]:
@@ -99,12 +111,21 @@ class DecodeGraphs:
     ``capture``: capture CUDA graphs (default: when the model is on CUDA) or run the same step eagerly;
     ``pad_token_id``: for padding rows (default: the model's, else 0); ``warmup``: eager runs before each capture;
     ``log``: progress lines (``None`` = silent).
+
+    ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the whole step with Inductor before
+    it is captured: norms, rotary embeddings, residual adds, the router and the attention around the fused
+    ``moe_lora`` ops become a few generated kernels instead of ~65 small ones per layer. The decode step is compiled
+    with static shapes (one graph per bucket, ``dynamic=False``) in Inductor's default mode, not
+    ``"reduce-overhead"``: this class captures the compiled step in its own CUDA graph per bucket, so Inductor's
+    CUDA graphs would only nest inside ours. The prefill is compiled once with a dynamic chunk length
+    (``dynamic=True``). The compile happens during :meth:`capture` (warm-up runs) and the first prefill; later
+    adapter mixes, hot swaps and batches within a bucket reuse the graphs.
     """
 
     def __init__(self, mm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_cache_len: int = 512,
                  num_speculative_tokens: int = 0, capture: Optional[bool] = None,
                  pad_token_id: Optional[int] = None, warmup: int = 2,
-                 log: Optional[Callable[[str], None]] = print):
+                 log: Optional[Callable[[str], None]] = print, compile=False):
         from ..models.attach import MultiLoRAModel
 
         if not isinstance(mm, MultiLoRAModel):
@@ -136,6 +157,20 @@ class DecodeGraphs:
         self.query_len = q
         self.use_graphs = bool(capture)
         self.warmup = warmup
+        if not isinstance(compile, (bool, dict)):
+            raise TypeError(f"compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
+        self.compiled = bool(compile)
+        options = dict(compile) if isinstance(compile, dict) else {}
+        if options.get("mode") in ("reduce-overhead", "max-autotune"):
+            raise ValueError(f"compile: mode={options['mode']!r} adds Inductor's own CUDA graphs inside "
+                             f"DecodeGraphs' capture; use the default mode or 'max-autotune-no-cudagraphs'")
+        if "dynamic" in options:
+            raise ValueError("compile: 'dynamic' is chosen here (decode steps static per bucket, prefill dynamic)")
+        if self.compiled:
+            self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
+            self._prefill_fn = torch.compile(_prefill_forward, dynamic=True, **options)
+        else:
+            self._decode_fn, self._prefill_fn = _decode_forward, _prefill_forward
         self.log = log
         config = mm.model.config
         if pad_token_id is None:
@@ -195,8 +230,30 @@ class DecodeGraphs:
     def _forward_step(self, batch: int) -> Tensor:
         """The step captured per bucket: static buffers in, logits ``[B, q, V]`` out. No host work on data."""
         kwargs = self._model_kwargs(batch, self._attention_mask[:batch], self._position_ids[:batch], self.query_len)
+        with self.mm.manual_token_lora_ids(), self._compile_limits():
+            return self._decode_fn(self.mm.model, self._input_ids[:batch], **kwargs)
+
+    def _compile_limits(self):
+        """Dynamo's per-function recompile limit raised to the number of buckets (one static graph each)."""
+        if not self.compiled:
+            return contextlib.nullcontext()
+        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.batch_sizes) + 2)
+        return torch._dynamo.config.patch(recompile_limit=limit)
+
+    def _allocate_cache(self) -> None:
+        """Allocate the shared K/V storage with one eager (uncompiled) step of the largest bucket, on the current
+        stream, before anything is compiled or captured (it is allocated lazily, at the first write)."""
+        if not self._storage.allocated:
+            self._allocate_storage()
+        for cache in self._caches.values():
+            cache.bind()
+
+    def _allocate_storage(self) -> None:
+        batch = self.batch_sizes[-1]
+        self._fill_dummy(batch)
+        kwargs = self._model_kwargs(batch, self._attention_mask[:batch], self._position_ids[:batch], self.query_len)
         with self.mm.manual_token_lora_ids():
-            return self.mm.model(input_ids=self._input_ids[:batch], **kwargs).logits
+            _decode_forward(self.mm.model, self._input_ids[:batch], **kwargs)
 
     def _run_step(self, batch: int) -> Tensor:
         if not self.use_graphs:
@@ -226,18 +283,22 @@ class DecodeGraphs:
         per bucket. Capturing again replaces the graphs. With ``capture=False`` only runs one eager warm-up step.
         Ends any live :class:`DecodeState`."""
         self._epoch += 1
+        self._allocate_cache()
         if not self.use_graphs:
-            self._fill_dummy(self.batch_sizes[-1])
-            self._forward_step(self.batch_sizes[-1])
-            self._say(f"decode steps run eagerly (capture=False) on {self.device}: buckets {list(self.batch_sizes)}, "
-                      f"q {self.query_len}")
+            order = sorted(self.batch_sizes, reverse=True) if self.compiled else self.batch_sizes[-1:]
+            for i, batch in enumerate(order, 1):  # compiled: compile every bucket's step now, not in step()
+                t0 = time.perf_counter()
+                self._fill_dummy(batch)
+                self._forward_step(batch)
+                if self.compiled:
+                    self._say(f"compiling decode step {i}/{len(order)}: batch {batch}, q {self.query_len} ... "
+                              f"{time.perf_counter() - t0:.2f} s")
+            self._say(f"decode steps run without CUDA graphs (capture=False) on {self.device}: buckets "
+                      f"{list(self.batch_sizes)}, q {self.query_len}, {'compiled' if self.compiled else 'eager'}")
             return self
         self._graphs.clear()
         self._outputs.clear()
         torch.cuda.synchronize(self.device)
-        if not self._storage.allocated:  # allocate the shared K/V on the current stream, before any capture
-            self._fill_dummy(self.batch_sizes[-1])
-            self._forward_step(self.batch_sizes[-1])
         self._ids_buffer = self.mm.token_lora_ids
         self._pool = torch.cuda.graph_pool_handle()
         order = sorted(self.batch_sizes, reverse=True)
@@ -248,16 +309,19 @@ class DecodeGraphs:
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                for _ in range(self.warmup):
+                for _ in range(max(self.warmup, 1 if self.compiled else 0)):  # compiled: compiles here
                     self._forward_step(batch)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), ScalarsWithoutHostCopies("cuda"):
+            # the compiled step holds no host-made scalars (and a mode entered only now would fail Dynamo's guards)
+            scalars = contextlib.nullcontext() if self.compiled else ScalarsWithoutHostCopies("cuda")
+            with torch.cuda.graph(graph, pool=self._pool), scalars:
                 out = self._forward_step(batch)
             torch.cuda.synchronize(self.device)
             self._graphs[batch], self._outputs[batch] = graph, out
             self.num_captures += 1
-            self._say(f"capturing decode graph {i}/{len(order)}: batch {batch}, q {self.query_len} ... "
+            self._say(f"capturing {'compiled ' if self.compiled else ''}decode graph {i}/{len(order)}: batch {batch}, "
+                      f"q {self.query_len} ... "
                       f"{time.perf_counter() - t0:.2f} s")
         self._say(f"captured {len(order)} decode graphs in {time.perf_counter() - total:.2f} s "
                   f"(KV cache {self._storage.nbytes() / 2**20:.1f} MiB)")
@@ -273,7 +337,8 @@ class DecodeGraphs:
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, *, adapters: Optional[Sequence[Optional[str]]] = None,
                 attention_mask: Optional[Tensor] = None) -> tuple[DecodeState, Tensor]:
-        """Run the prompts ``input_ids [b, S]`` eagerly into the cache (chunked to fit ``mm.token_lora_ids``);
+        """Run the prompts ``input_ids [b, S]`` into the cache (chunked to fit ``mm.token_lora_ids``; no CUDA graph;
+        compiled with a dynamic length when the steps are compiled);
         returns the new :class:`DecodeState` and the logits of each prompt's last token ``[b, V]``.
 
         ``attention_mask [b, S]`` (1 = token, 0 = left padding) for prompts of different lengths, as in
@@ -291,6 +356,7 @@ class DecodeGraphs:
         if attention_mask is not None and tuple(attention_mask.shape) != (b, S):
             raise ValueError(f"attention_mask must be [{b}, {S}] like input_ids, got {tuple(attention_mask.shape)}")
         self._epoch += 1
+        self._allocate_cache()  # (may run a dummy step: before this prefill fills the static buffers)
         dev = self.device
         mask = self._attention_mask[:batch]
         mask.zero_()
@@ -304,7 +370,7 @@ class DecodeGraphs:
         lengths = prompt_mask.sum(-1)
         chunk = max(1, self.mm.token_lora_ids.numel() // batch)
         logits = None
-        with self.mm.manual_token_lora_ids():
+        with self.mm.manual_token_lora_ids(), self._compile_limits():
             for c0 in range(0, S, chunk):
                 c1 = min(S, c0 + chunk)
                 self._start.fill_(c0)
@@ -312,7 +378,7 @@ class DecodeGraphs:
                 kwargs = self._model_kwargs(batch, mask, position_ids[:, c0:c1], c1 - c0)
                 if self._has_logits_to_keep:
                     kwargs["logits_to_keep"] = 1
-                logits = self.mm.model(input_ids=tokens[:, c0:c1], **kwargs).logits
+                logits = self._prefill_fn(self.mm.model, tokens[:, c0:c1], **kwargs)
         ids = self.mm.set_token_lora_ids(adapters, self.query_len, batch_size=batch).clone()
         state = DecodeState(batch_size=b, bucket=batch, adapters=adapters if adapters is not None else [None] * b,
                             position=S, lengths=lengths, token_lora_ids=ids, epoch=self._epoch)

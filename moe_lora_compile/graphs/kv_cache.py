@@ -31,6 +31,7 @@ class SharedKVStorage:
         self.values: dict[int, Tensor] = {}
 
     def rows(self, layer_idx: int, key_states: Tensor, value_states: Tensor, batch: int) -> tuple[Tensor, Tensor]:
+        """Rows ``[:batch]`` of layer ``layer_idx``'s K and V (allocated on the first call, shaped like the states)."""
         if layer_idx not in self.keys:
             for store, states in ((self.keys, key_states), (self.values, value_states)):
                 _, heads, _, dim = states.shape
@@ -54,15 +55,20 @@ class SlotLayer(StaticLayer):
         self._storage, self._layer_idx, self._batch, self._start = storage, layer_idx, batch, start
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        keys, values = self._storage.rows(self._layer_idx, key_states, value_states, self._batch)
-        if not self.is_initialized:
-            self.keys, self.values, self.device = keys, values, keys.device
-            self.batch_size, self.num_heads = keys.shape[:2]
-            self.is_initialized = True
+        if not self.is_initialized:  # first write, eager: allocates the storage (a compiled step finds it bound)
+            self.bind(*self._storage.rows(self._layer_idx, key_states, value_states, self._batch))
+        keys, values = self.keys, self.values
         slots = torch.arange(key_states.shape[-2], device=keys.device) + self._start
         keys.index_copy_(2, slots, key_states.to(keys.dtype))
         values.index_copy_(2, slots, value_states.to(values.dtype))
         return keys, values
+
+    def bind(self, keys: Tensor, values: Tensor) -> None:
+        """Point this layer at its rows of the storage (once; no Python state changes afterwards, so a compiled
+        step traced after this never sees an attribute change, and never recompiles for one)."""
+        self.keys, self.values, self.device = keys, values, keys.device
+        self.batch_size, self.num_heads = keys.shape[:2]
+        self.is_initialized = True
 
     def get_seq_length(self, *args, **kwargs) -> Tensor:
         """The first slot of the current forward (0-d int64 tensor): transformers' masks use it as the query
@@ -84,3 +90,10 @@ class SlotCache(Cache):
 
     def __init__(self, storage: SharedKVStorage, num_layers: int, batch: int, start: Tensor):
         super().__init__(layers=[SlotLayer(storage, i, batch, start) for i in range(num_layers)])
+        self._storage, self._batch = storage, batch
+
+    def bind(self) -> None:
+        """Bind every layer to its rows of the (allocated) storage; layers the model never writes stay unbound."""
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized and i in self._storage.keys:
+                layer.bind(self._storage.keys[i][: self._batch], self._storage.values[i][: self._batch])
