@@ -398,15 +398,18 @@ def test_routing_groups_pairs_per_expert_and_slot(T, k, E, L, block_m):
         assert (slots[1:] >= slots[:-1]).all()
 
 
+@pytest.mark.parametrize("per_token", [False, True], ids=["block_shrink", "token_shrink"])
 @pytest.mark.parametrize("T,n_in,n_out,lora,bias", [
     (1, 32, 16, "random", False),   # one token
     (19, 32, 48, "mixed", True),    # two row blocks, every other token -1, bias
     (5, 40, 24, "random", False),   # in/out not multiples of 16: masked K and N
     (6, 32, 16, "none", True),      # all -1: base linear + bias only
+    (7, 32, 16, "one_slot", False),  # every token on one slot (L = 1)
+    (9, 48, 32, "mixed_ranks", False),  # slots of real rank 2, 5, 8 zero-padded to R = 8, one token per slot and -1s
 ])
-def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias):
+def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
     g = torch.Generator().manual_seed(7)
-    L, R = 3, 8
+    L, R = (1 if lora == "one_slot" else 3), 8
     x = torch.randn(T, n_in, generator=g)
     weight = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
     a, b = torch.randn(L, R, n_in, generator=g) * n_in ** -0.5, torch.randn(L, n_out, R, generator=g)
@@ -415,8 +418,13 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias):
         ids[:] = -1
     elif lora == "mixed":
         ids[::2] = -1
+    elif lora == "mixed_ranks":
+        for slot, rank in enumerate((2, 5, 8)):
+            a[slot, rank:] = 0
+            b[slot, :, rank:] = 0
+        ids = torch.tensor([0, 1, 2, -1, 2, 1, 0, -1, 1], dtype=torch.int32)
     b_vec = torch.randn(n_out, generator=g) if bias else None
-    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK)}
+    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK, per_token=per_token)}
     y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)),
                            bias=None if b_vec is None else b_vec.to(DEVICE), config=cfg)
     ref = x.double() @ weight.double().T
@@ -426,6 +434,20 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias):
         if ids[t] >= 0:
             ref[t] += b[ids[t]].double() @ (a[ids[t]].double() @ x[t].double())
     torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,n_in,n_out", [(1, 2880, 512), (8, 4096, 2880), (64, 2048, 4096), (65, 2048, 512)])
+def test_default_linear_config_fills_the_sms(T, n_in, n_out):
+    """Decode-sized batches get the per-token shrink and column tiles narrow enough for >= 132 programs (or the
+    narrowest, 16); larger batches the block shrink."""
+    from moe_lora_compile.ops.triton.launch import default_linear_config
+
+    cfg = default_linear_config(T, n_in, n_out, num_sms=132)
+    tiles = -(-T // cfg["BLOCK_M"]) * -(-n_out // cfg["gemm"]["BLOCK_N"])
+    assert cfg["shrink"]["per_token"] == (T <= 64)
+    if T <= 64:
+        assert tiles >= 132 or cfg["gemm"]["BLOCK_N"] == 16
+        assert T * cfg["shrink"]["SPLIT_K"] >= 132 or cfg["shrink"]["SPLIT_K"] == -(-n_in // 128)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ Every kernel after the first of the chain is launched with programmatic dependen
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -34,6 +35,7 @@ import triton
 from torch import Tensor
 
 from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_interleaved, is_transposed
+from . import dense_kernels as DK
 from . import moe_kernels as K
 from .configs import get_config
 from .pdl import LaunchChain, use_pdl
@@ -204,37 +206,77 @@ def fused_moe_lora_triton(
     return out.view(T, top_k, H).sum(dim=1)
 
 
-def default_linear_config(T: int) -> dict:
+ROWS_SHRINK_MAX_T = 64  # up to this many tokens lora_linear's shrink runs per token (dense_kernels), else per block
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # Triton's interpreter: keep grids tiny
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> dict:
+    """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: column
+    tiles are made narrow enough (64 -> 32 -> 16) that there are at least as many programs as SMs, since at
+    BLOCK_N = 64 a [512, 2880] k/v projection has 8 programs for 132 SMs. The per-token shrink splits K so that
+    the batch's programs fill the SMs about twice."""
     small = T <= 64
-    return {"BLOCK_M": 16 if small else 64,
-            "gemm": {"BLOCK_N": 64, "BLOCK_K": 128 if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
+    block_m = 16 if small else 64
+    grid_m = triton.cdiv(T, block_m)
+    block_n = 64
+    if small:
+        while block_n > 16 and grid_m * triton.cdiv(n_out, block_n) < num_sms:
+            block_n //= 2
+    block_k = 128 if not small or block_n == 64 else 256
+    rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
+    return {"BLOCK_M": block_m,
+            "gemm": {"BLOCK_N": block_n, "BLOCK_K": block_k if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
                      "num_stages": 4 if small else 3},
-            "shrink": {"BLOCK_K": 64, "SPLIT_K": 8 if small else 1, "num_warps": 4, "num_stages": 2}}
+            "shrink": {"BLOCK_K": 128 if small else 64, "SPLIT_K": rows_split if small else 1, "num_warps": 4,
+                       "num_stages": 2, "per_token": small}}
+
+
+def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg, launch):
+    """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T)."""
+    T, n_in = x.shape
+    block_k = _tile(cfg["BLOCK_K"], n_in)
+    split_k, k_per_split, even_k = _k_split(n_in, block_k, cfg["SPLIT_K"])
+    s = torch.empty((split_k, rows, R), dtype=torch.float32, device=x.device)
+    DK.lora_shrink_rows_kernel[(T, split_k)](
+        x, x.stride(0), a, a.stride(0), a.stride(1), s, s.stride(0), token_lora_ids, T, n_in, R, k_per_split,
+        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **launch)
+    return s
 
 
 def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, *,
                        bias: Optional[Tensor] = None, config: Optional[dict] = None) -> Tensor:
     """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
-    -> y [T, out] in x.dtype. Two launches: shrink, then the GEMM with the expand in its epilogue."""
+    -> y [T, out] in x.dtype. Two launches: shrink (per token for decode-sized batches, config
+    ``shrink.per_token``; else per block of BLOCK_M tokens), then the GEMM with the expand in its epilogue."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     R = lora_a.shape[1]
     if T == 0:
         return x.new_empty((0, n_out))
-    cfg = config or default_linear_config(T)
+    cfg = config or default_linear_config(T, n_in, n_out, _num_sms(x.device))
     block_m = cfg["BLOCK_M"]
     grid_m = triton.cdiv(T, block_m)
     x = x.contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
     dummy = token_lora_ids
-    meta = (dummy, dummy, dummy, dummy, T, grid_m)
-    # lora_linear is the DENSE mode of the MoE kernels with one expert: A [L, 1, R, in] via a zero expert stride.
-    a_view = a.unsqueeze(1)
     chain = LaunchChain(use_pdl(x.device, cfg))
-    s = _launch_shrink(x, a_view, x, token_lora_ids, meta, K_dim=n_in, R=R, top_k=1, mode=K.DENSE, block_m=block_m,
-                       input_by_token=True, scale_by_weight=False, cfg=cfg["shrink"], dtype=x.dtype,
-                       launch=chain.next())
+    if cfg["shrink"].get("per_token", False):
+        s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=grid_m * block_m, cfg=cfg["shrink"],
+                                launch=chain.next())
+    else:
+        # lora_linear is the DENSE mode of the MoE kernels with one expert: A [L, 1, R, in] via a zero expert stride.
+        meta = (dummy, dummy, dummy, dummy, T, grid_m)
+        s = _launch_shrink(x, a.unsqueeze(1), x, token_lora_ids, meta, K_dim=n_in, R=R, top_k=1, mode=K.DENSE,
+                           block_m=block_m, input_by_token=True, scale_by_weight=False, cfg=cfg["shrink"],
+                           dtype=x.dtype, launch=chain.next())
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     c = cfg["gemm"]
     block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
