@@ -11,7 +11,7 @@ NAMES = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2", "lora_a
 
 
 def _moe_args(**case):
-    args, kwargs = MoECase(T=4, **case).make()
+    args, kwargs = MoECase(**{"T": 4, **case}).make()
     return dict(zip(NAMES, args)), kwargs
 
 
@@ -95,3 +95,43 @@ def test_lora_linear_bad_bias():
     args, _ = make_linear(5, 10, 12, 3, 4)
     with pytest.raises(ValueError, match=r"bias must have shape \[out\]"):
         mlc.lora_linear(*args, bias=torch.zeros(11))
+
+
+# --- issue 11, item 3: a non-finite (or overflowing) value in one slot stays in the rows that use that slot --------
+
+_POISONS = [float("inf"), float("nan"), 3e38]  # 3e38: finite, but x @ A overflows fp32
+
+
+@pytest.mark.parametrize("pos,value", [(2, float("inf")), (2, float("nan")), (2, 3e38), (3, float("inf")),
+                                       (3, float("nan"))], ids=["lora_a-inf", "lora_a-nan", "lora_a-overflow",
+                                                                 "lora_b-inf", "lora_b-nan"])
+def test_lora_linear_bad_slot_stays_in_its_rows(pos, value):
+    """The issue's reproducer: ``B[1] = inf; lora_linear(x, W, A, B, ids=[0, -1])`` gave NaN in both rows."""
+    (x, weight, a, b, _), bias = make_linear(6, 10, 12, 3, 4, bias=True)
+    ids = torch.tensor([0, -1, 1, 2, -1, 1], dtype=torch.int32)
+    clean = mlc.lora_linear(x, weight, a, b, ids, bias=bias)
+    base = mlc.lora_linear(x, weight, a, b, torch.full_like(ids, -1), bias=bias)
+    bad = [a, b]
+    bad[pos - 2] = bad[pos - 2].clone()
+    bad[pos - 2][1] = value
+    y = mlc.lora_linear(x, weight, *bad, ids, bias=bias)
+    others = ids != 1
+    torch.testing.assert_close(y[others], clean[others], rtol=1e-6, atol=1e-6)
+    assert torch.equal(y[ids == -1], base[ids == -1])  # -1 rows: exactly the base result
+    assert not torch.isfinite(y[ids == 1]).all()  # the bad slot's own rows do show it
+
+
+@pytest.mark.parametrize("value", _POISONS, ids=["inf", "nan", "overflow"])
+@pytest.mark.parametrize("name", ["lora_a13", "lora_b13", "lora_a2", "lora_b2"])
+def test_fused_moe_lora_bad_slot_stays_in_its_rows(name, value):
+    args, kwargs = _moe_args(T=6, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
+    ids = torch.tensor([0, -1, 2, 1, -1, 2], dtype=torch.int32)  # slot 0 is poisoned below
+    args["token_lora_ids"] = ids
+    clean = mlc.fused_moe_lora(*args.values(), **kwargs)
+    base = mlc.fused_moe_lora(*{**args, "token_lora_ids": torch.full_like(ids, -1)}.values(), **kwargs)
+    args[name] = args[name].clone()
+    args[name][0] = value
+    y = mlc.fused_moe_lora(*args.values(), **kwargs)
+    others = ids != 0
+    torch.testing.assert_close(y[others], clean[others], rtol=1e-6, atol=1e-6)
+    assert torch.equal(y[ids == -1], base[ids == -1])
