@@ -167,7 +167,7 @@ def _patterns(field: str, raw: dict, check_value) -> dict:
 
 def _recorded_model_type(raw: dict) -> tuple[Optional[str], str]:
     """The base's model_type as the folder records it, without network: PEFT's ``auto_mapping.parent_library``
-    (``transformers.models.<model_type>.modeling_...``), else ``config.json`` of a local
+    (``transformers.models.<name>.modeling_...``: the modeling module's name, mostly the model_type), else ``config.json`` of a local
     ``base_model_name_or_path``. ``(None, "")`` when the folder does not say."""
     mapping = raw.get("auto_mapping")
     library = mapping.get("parent_library") if isinstance(mapping, dict) else None
@@ -299,13 +299,15 @@ def load_peft_adapter(
     aliases: Optional[dict[str, str]] = None,
     dtype: Union[torch.dtype, Mapping[str, torch.dtype]] = torch.float32,
     model_type: Optional[str] = None,
+    model_module: Optional[str] = None,
 ) -> dict[str, ModuleLoRA]:
     """Read and fully validate the adapter at ``path`` against the base model's targets.
 
     ``experts_targets`` / ``linear_targets`` map module names (as in ``model.named_modules()``) to their geometry;
     ``aliases`` renames module path segments of older checkpoints (``{"block_sparse_moe": "mlp"}``); ``dtype``: the
     slot dtype (one, or per module name) the factors are returned in and validated for; ``model_type``: the base
-    model's ``config.model_type``, compared with the base the folder records (:func:`check_base_model`). Raises
+    model's ``config.model_type`` and ``model_module`` its class's module (``transformers.models.<name>.modeling_<name>``,
+what PEFT records), compared with the base the folder records (:func:`check_base_model`). Raises
     FileNotFoundError / ValueError naming the folder, the file and the problem; returns
     ``{module name: ExpertsLoRA | LinearLoRA}``.
     """
@@ -313,7 +315,7 @@ def load_peft_adapter(
         config = _read_adapter_config(path)
         result = _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases or {})
         if model_type is not None:
-            check_base_model(config, model_type, has_experts=any(isinstance(m, ExpertsLoRA) for m in result.values()),
+            check_base_model(config, model_type, model_module=model_module, has_experts=any(isinstance(m, ExpertsLoRA) for m in result.values()),
                              experts_layout=next((t.layout for t in experts_targets.values()), None))
         return {name: _final(name, lora, dtype if isinstance(dtype, torch.dtype) else dtype[name])
                 for name, lora in result.items()}
@@ -340,14 +342,15 @@ def _final(name: str, lora: ModuleLoRA, dtype: torch.dtype) -> ModuleLoRA:
 
 
 def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: bool,
-                     experts_layout: Optional[str]) -> None:
+                     experts_layout: Optional[str], model_module: Optional[str] = None) -> None:
     """Compare the base the folder records (``config.base_model_type``) with this model's ``model_type``.
 
     ValueError when the adapter has expert weights and the recorded family orders gate/up otherwise (GPT-OSS's
     interleaved 2I axis vs everyone else's concatenated one: same shapes, scrambled gate/up); a warning for any other
     family difference; nothing when the folder does not say (hub ids are not looked up: no network)."""
     recorded = config.base_model_type
-    if recorded is None or recorded == model_type:
+    match = _PARENT_LIBRARY_RE.match(model_module or "")
+    if recorded is None or recorded in (model_type, match and match["model_type"]):  # Llama-4: llama4 / llama4_text
         return
     from ..models.families import FAMILIES  # the family table lives with the models (imported lazily: no cycle)
 

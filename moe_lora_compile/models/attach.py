@@ -136,7 +136,8 @@ class MultiLoRAModel(nn.Module):
         dtypes.update({name: m.lora_b.dtype for name, m in self.slots.linear_modules.items()})
         weights = load_peft_adapter(os.fspath(path), self._experts_targets, self._linear_targets,
                                     max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
-                                    model_type=getattr(self.model.config, "model_type", None))
+                                    model_type=getattr(self.model.config, "model_type", None),
+                                    model_module=type(self.model).__module__)
         self.slots.write(name, slot, weights)
         return slot
 
