@@ -1,7 +1,7 @@
 """Read a PEFT LoRA adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) into per-module LoRA
 factors in the slot layout, validated against the base model's geometry.
 
-Output per module (fp32, scaling folded into B, not yet padded to the slot rank):
+Output per module (in the slot dtype, fp32 unless told, scaling folded into B, not yet padded to the slot rank):
 
 - experts: :class:`ExpertsLoRA` ``a13 [E,r,H]``, ``b13 [E,2I,r]`` (2I rows in the base weight's own gate/up order),
   ``a2 [E,r2,I]``, ``b2 [E,H,r2]``; either projection may be absent (it then contributes zero).
@@ -16,6 +16,11 @@ Expert keys come in two layouts:
 - per expert: ``<experts>.<e>.<gate|up|down>.lora_{A,B}.weight`` (``gate_proj/up_proj/down_proj``, Mixtral
   ``w1/w3/w2``). Gate and up with identical A share it (rank r); otherwise their A's are stacked and B is
   block-diagonal (rank r_gate + r_up).
+
+Everything a folder says is checked before any slot is written: the config's numbers and patterns, the file's
+integrity and tensor dtypes, the final tensors after scaling and the cast to the slot dtype (finite: a value that
+overflows the slot dtype is an error, never an Inf in a slot), and the base model the adapter was made for, as PEFT
+recorded it. Every problem is a ValueError naming the folder, the file and the problem.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ import json
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 from torch import Tensor
@@ -36,6 +42,25 @@ _PEFT_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT_RE = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<leaf>[A-Za-z0-9_]+)$")
 _FIRST_FIXED_PEFT = (0, 19, 1)  # PEFT versions before this read a 3-D weight [E, d1, d2] as in = d1
+_PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default lora_alpha, used when a config omits it (as PEFT does)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PARENT_LIBRARY_RE = re.compile(r"^transformers\.models\.(?P<model_type>[A-Za-z0-9_]+)\.")
+
+
+class AdapterFileError(ValueError):
+    """A problem with one file of an adapter folder; :func:`load_peft_adapter` adds the folder to the message."""
+
+    def __init__(self, file: str, problem: str):
+        super().__init__(f"{file}: {problem}")
+        self.file, self.problem = file, problem
+
+
+def _config_error(problem: str) -> AdapterFileError:
+    return AdapterFileError(CONFIG_NAME, problem)
+
+
+def _weights_error(problem: str) -> AdapterFileError:
+    return AdapterFileError(WEIGHTS_NAME, problem)
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,8 @@ class AdapterConfig:
     rank_pattern: dict
     alpha_pattern: dict
     peft_version: Optional[str]
+    base_model_type: Optional[str] = None  # the base's model_type as PEFT recorded it (or its local config.json)
+    base_model_source: str = ""  # where base_model_type was read
 
     def _pattern_value(self, patterns: dict, name: str, default):
         # PEFT semantics: a pattern matches a module name when it matches a dot-separated suffix of it.
@@ -107,15 +134,81 @@ class AdapterConfig:
         return numbers < _FIRST_FIXED_PEFT
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive_int(field: str, value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _config_error(f"{field} must be a positive int, got {value!r}")
+    return value
+
+
+def _finite_number(field: str, value) -> float:
+    if not _is_number(value) or not math.isfinite(value):
+        raise _config_error(f"{field} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _patterns(field: str, raw: dict, check_value) -> dict:
+    """``rank_pattern`` / ``alpha_pattern``: ``{regex: value}``; every regex must compile, every value pass."""
+    patterns = raw.get(field) or {}
+    if not isinstance(patterns, dict):
+        raise _config_error(f"{field} must be an object {{pattern: value}}, got {type(patterns).__name__}")
+    out = {}
+    for pattern, value in patterns.items():
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise _config_error(f"{field} key {pattern!r} is not a valid regular expression ({e})") from None
+        out[pattern] = check_value(f"{field}[{pattern!r}]", value)
+    return out
+
+
+def _recorded_model_type(raw: dict) -> tuple[Optional[str], str]:
+    """The base's model_type as the folder records it, without network: PEFT's ``auto_mapping.parent_library``
+    (``transformers.models.<name>.modeling_...``: the modeling module's name, mostly the model_type), else ``config.json`` of a local
+    ``base_model_name_or_path``. ``(None, "")`` when the folder does not say."""
+    mapping = raw.get("auto_mapping")
+    library = mapping.get("parent_library") if isinstance(mapping, dict) else None
+    match = _PARENT_LIBRARY_RE.match(library) if isinstance(library, str) else None
+    if match:
+        return match["model_type"], f"auto_mapping.parent_library {library!r}"
+    base = raw.get("base_model_name_or_path")
+    config_path = os.path.join(base, "config.json") if isinstance(base, str) and base else None
+    if config_path and os.path.isfile(config_path):
+        try:
+            with open(config_path) as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            return None, ""
+        if isinstance(model_type, str):
+            return model_type, f"base_model_name_or_path {base!r} (its config.json)"
+    return None, ""
+
+
 def read_adapter_config(path: str) -> AdapterConfig:
-    """Parse and check ``adapter_config.json``; ValueError for features this library does not serve."""
+    """Parse and check ``adapter_config.json``; ValueError naming the folder, the file and the problem for a
+    malformed config or features this library does not serve."""
+    try:
+        return _read_adapter_config(path)
+    except AdapterFileError as e:
+        raise ValueError(f"path: adapter folder {path!r}, {e}") from None
+
+
+def _read_adapter_config(path: str) -> AdapterConfig:
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"path: no {CONFIG_NAME} in adapter folder {path!r}")
-    with open(config_path) as f:
-        raw = json.load(f)
+    try:
+        with open(config_path) as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _config_error(f"cannot be read as JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise _config_error(f"must hold a JSON object, got {type(raw).__name__}")
     if raw.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"path: {path!r} is a {raw.get('peft_type')} adapter; only LoRA is supported")
+        raise _config_error(f"a {raw.get('peft_type')!r} adapter; only LoRA is supported")
     unsupported = {
         "use_dora": bool(raw.get("use_dora")),
         "lora_bias": bool(raw.get("lora_bias")),
@@ -127,25 +220,52 @@ def read_adapter_config(path: str) -> AdapterConfig:
     }
     bad = [name for name, used in unsupported.items() if used]
     if bad:
-        raise ValueError(f"path: adapter {path!r} uses unsupported PEFT feature(s) {bad}; only plain LoRA is served")
+        raise _config_error(f"uses unsupported PEFT feature(s) {bad}; only plain LoRA is served")
+    if "r" not in raw:
+        raise _config_error("has no 'r' (the LoRA rank)")
+    use_rslora = raw.get("use_rslora") or False
+    if not isinstance(use_rslora, bool):
+        raise _config_error(f"use_rslora must be true or false, got {use_rslora!r}")
+    peft_version = raw.get("peft_version")
+    if peft_version is not None and not isinstance(peft_version, str):
+        raise _config_error(f"peft_version must be a string, got {peft_version!r}")
+    model_type, source = _recorded_model_type(raw)
     return AdapterConfig(
-        r=int(raw["r"]), lora_alpha=float(raw["lora_alpha"]), use_rslora=bool(raw.get("use_rslora")),
-        rank_pattern=dict(raw.get("rank_pattern") or {}), alpha_pattern=dict(raw.get("alpha_pattern") or {}),
-        peft_version=raw.get("peft_version"),
+        r=_positive_int("r", raw["r"]),
+        lora_alpha=_finite_number("lora_alpha", raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA)),
+        use_rslora=use_rslora,
+        rank_pattern=_patterns("rank_pattern", raw, _positive_int),
+        alpha_pattern=_patterns("alpha_pattern", raw, _finite_number),
+        peft_version=peft_version, base_model_type=model_type, base_model_source=source,
     )
 
 
 def read_adapter_weights(path: str) -> dict[str, Tensor]:
-    """``{key without 'base_model.model.': fp32 tensor}`` from ``adapter_model.safetensors``; ValueError on NaN/Inf."""
+    """``{key without 'base_model.model.': fp32 tensor}`` from ``adapter_model.safetensors``; ValueError naming the
+    folder, the file and the problem for an unreadable (corrupt, truncated) file, a non-float tensor or NaN/Inf."""
+    try:
+        return _read_adapter_weights(path)
+    except AdapterFileError as e:
+        raise ValueError(f"path: adapter folder {path!r}, {e}") from None
+
+
+def _read_adapter_weights(path: str) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     weights_path = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(weights_path):
         raise FileNotFoundError(f"path: no {WEIGHTS_NAME} in adapter folder {path!r}")
+    try:
+        raw = load_file(weights_path)
+    except Exception as e:  # safetensors raises its own SafetensorError (and OSError, ValueError) for bad files
+        raise _weights_error(f"cannot be read, corrupt or truncated? ({type(e).__name__}: {e})") from None
     tensors = {}
-    for key, value in load_file(weights_path).items():
+    for key, value in raw.items():
+        if value.dtype not in _FLOAT_DTYPES:
+            raise _weights_error(f"adapter weight {key!r} is {value.dtype}; LoRA weights must be floating "
+                                 f"({', '.join(str(d).removeprefix('torch.') for d in _FLOAT_DTYPES)})")
         if not torch.isfinite(value).all():
-            raise ValueError(f"path: adapter weight {key!r} in {path!r} contains NaN or Inf")
+            raise _weights_error(f"adapter weight {key!r} contains NaN or Inf")
         tensors[key.removeprefix(_PEFT_PREFIX)] = value.float()
     return tensors
 
@@ -156,11 +276,11 @@ def _pair_keys(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     for key, value in tensors.items():
         match = _KEY_RE.match(key)
         if match is None:
-            raise ValueError(f"path: unsupported adapter weight {key!r} (only lora_A/lora_B weights are served)")
+            raise _weights_error(f"unsupported adapter weight {key!r} (only lora_A/lora_B weights are served)")
         pairs.setdefault(match["module"], {})[match["ab"]] = value
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"path: module {module!r} has lora_{next(iter(ab))} but no partner weight")
+            raise _weights_error(f"module {module!r} has lora_{next(iter(ab))} but no partner weight")
     return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}
 
 
@@ -177,16 +297,78 @@ def load_peft_adapter(
     *,
     max_rank: int,
     aliases: Optional[dict[str, str]] = None,
+    dtype: Union[torch.dtype, Mapping[str, torch.dtype]] = torch.float32,
+    model_type: Optional[str] = None,
+    model_module: Optional[str] = None,
 ) -> dict[str, ModuleLoRA]:
     """Read and fully validate the adapter at ``path`` against the base model's targets.
 
     ``experts_targets`` / ``linear_targets`` map module names (as in ``model.named_modules()``) to their geometry;
-    ``aliases`` renames module path segments of older checkpoints (``{"block_sparse_moe": "mlp"}``). Raises
-    FileNotFoundError / ValueError naming the problem; returns ``{module name: ExpertsLoRA | LinearLoRA}``.
+    ``aliases`` renames module path segments of older checkpoints (``{"block_sparse_moe": "mlp"}``); ``dtype``: the
+    slot dtype (one, or per module name) the factors are returned in and validated for; ``model_type``: the base
+    model's ``config.model_type`` and ``model_module`` its class's module (``transformers.models.<name>.modeling_<name>``,
+what PEFT records), compared with the base the folder records (:func:`check_base_model`). Raises
+    FileNotFoundError / ValueError naming the folder, the file and the problem; returns
+    ``{module name: ExpertsLoRA | LinearLoRA}``.
     """
-    config = read_adapter_config(path)
-    pairs = _pair_keys(read_adapter_weights(path))
-    aliases = aliases or {}
+    try:
+        config = _read_adapter_config(path)
+        result = _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases or {})
+        if model_type is not None:
+            check_base_model(config, model_type, model_module=model_module, has_experts=any(isinstance(m, ExpertsLoRA) for m in result.values()),
+                             experts_layout=next((t.layout for t in experts_targets.values()), None))
+        return {name: _final(name, lora, dtype if isinstance(dtype, torch.dtype) else dtype[name])
+                for name, lora in result.items()}
+    except AdapterFileError as e:
+        raise ValueError(f"path: adapter folder {path!r}, {e}") from None
+
+
+def _final(name: str, lora: ModuleLoRA, dtype: torch.dtype) -> ModuleLoRA:
+    """``lora``'s factors cast to the slot ``dtype``; every value must stay finite (scaling included)."""
+    out = {}
+    for factor, t in vars(lora).items():
+        if t is None:
+            out[factor] = None
+            continue
+        cast = t.to(dtype)
+        if not torch.isfinite(cast).all():
+            largest = t.abs().max().item() if torch.isfinite(t).all() else float("inf")
+            raise _weights_error(
+                f"{name!r} {factor} is not finite after the scaling by lora_alpha / r (largest |value| "
+                f"{largest:.3g}) and the cast to the slot dtype {dtype} (max {torch.finfo(dtype).max:.3g}): weights "
+                f"or lora_alpha too large for this model")
+        out[factor] = cast
+    return type(lora)(**out)
+
+
+def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: bool,
+                     experts_layout: Optional[str], model_module: Optional[str] = None) -> None:
+    """Compare the base the folder records (``config.base_model_type``) with this model's ``model_type``.
+
+    ValueError when the adapter has expert weights and the recorded family orders gate/up otherwise (GPT-OSS's
+    interleaved 2I axis vs everyone else's concatenated one: same shapes, scrambled gate/up); a warning for any other
+    family difference; nothing when the folder does not say (hub ids are not looked up: no network)."""
+    recorded = config.base_model_type
+    match = _PARENT_LIBRARY_RE.match(model_module or "")
+    if recorded is None or recorded in (model_type, match and match["model_type"]):  # Llama-4: llama4 / llama4_text
+        return
+    from ..models.families import FAMILIES  # the family table lives with the models (imported lazily: no cycle)
+
+    family_of = {t: f for f in FAMILIES for t in f.model_types}
+    ours, theirs = family_of.get(model_type), family_of.get(recorded)
+    if ours is not None and ours is theirs:
+        return
+    what = f"adapter made for a {recorded!r} base ({config.base_model_source}), loaded into a {model_type!r} model"
+    if has_experts and theirs is not None and theirs.layout is not None and experts_layout is not None \
+            and (theirs.layout == "transposed_interleaved") != (experts_layout == "transposed_interleaved"):
+        raise _config_error(f"{what}: its expert gate/up axis is {theirs.layout!r}, this model's {experts_layout!r}; "
+                            f"the expert weights would be read with gate and up mixed up")
+    warnings.warn(f"{what}; loading it because its names and shapes fit", stacklevel=3)
+
+
+def _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases) -> dict[str, ModuleLoRA]:
+    """The body of :func:`load_peft_adapter`: fp32 factors, scaled, checked against the targets."""
+    pairs = _pair_keys(_read_adapter_weights(path))
     result: dict[str, ModuleLoRA] = {}
     per_expert: dict[str, dict[str, dict[int, tuple[str, Tensor, Tensor]]]] = {}
     three_d: dict[str, list[tuple[str, Tensor, Tensor]]] = {}
@@ -206,19 +388,19 @@ def load_peft_adapter(
         if match and match["experts"] in experts_targets:
             target = experts_targets[match["experts"]]
             if match["leaf"] not in target.per_expert_names:
-                raise ValueError(f"path: unknown expert projection {match['leaf']!r} in {module!r}; expected one "
-                                 f"of {list(target.per_expert_names)}")
+                raise _weights_error(f"unknown expert projection {match['leaf']!r} in {module!r}; expected one "
+                                     f"of {list(target.per_expert_names)}")
             index = int(match["index"])
             if index >= target.num_experts:
-                raise ValueError(f"path: {module!r} names expert {index} but the base model has "
-                                 f"{target.num_experts} experts (adapter made for another base model?)")
+                raise _weights_error(f"{module!r} names expert {index} but the base model has "
+                                     f"{target.num_experts} experts (adapter made for another base model?)")
             per_expert.setdefault(match["experts"], {}).setdefault(match["leaf"], {})[index] = (module, a, b)
             continue
-        raise ValueError(f"path: adapter targets {module!r}, which is not a LoRA target of this model "
-                         f"(experts modules and dense targets: {_summary(experts_targets, linear_targets)})")
+        raise _weights_error(f"adapter targets {module!r}, which is not a LoRA target of this model "
+                             f"(experts modules and dense targets: {_summary(experts_targets, linear_targets)})")
 
     for name in sorted(set(three_d) & set(per_expert)):
-        raise ValueError(f"path: experts module {name!r} has both 3-D and per-expert LoRA weights")
+        raise _weights_error(f"experts module {name!r} has both 3-D and per-expert LoRA weights")
     for name, entries in three_d.items():
         result[name] = _experts_from_3d(entries, experts_targets[name], config, name)
     for name, leaves in per_expert.items():
@@ -228,8 +410,8 @@ def load_peft_adapter(
         for factor in ("a", "a13", "a2"):
             t = getattr(lora, factor, None)
             if t is not None and t.shape[-2] > max_rank:
-                raise ValueError(f"path: rank {t.shape[-2]} of {name!r} exceeds max_rank={max_rank} "
-                                 f"(attach with a larger max_rank)")
+                raise _weights_error(f"rank {t.shape[-2]} of {name!r} exceeds max_rank={max_rank} "
+                                     f"(attach with a larger max_rank)")
     return result
 
 
@@ -242,15 +424,15 @@ def _summary(experts_targets, linear_targets) -> str:
 def _check_rank(module: str, config_name: str, rank: int, config: AdapterConfig) -> None:
     expected = config.rank_of(config_name)
     if rank != expected:
-        raise ValueError(f"path: {module!r} has rank {rank} but adapter_config.json gives rank {expected} "
+        raise _weights_error(f"{module!r} has rank {rank} but adapter_config.json gives rank {expected} "
                          f"for {config_name!r} (adapter made for another base model, e.g. another expert count?)")
 
 
 def _linear_lora(module: str, a: Tensor, b: Tensor, target: LinearTarget, config: AdapterConfig) -> LinearLoRA:
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.in_features or b.shape[0] != target.out_features \
             or a.shape[0] != b.shape[1]:
-        raise ValueError(
-            f"path: {module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected [r, "
+        raise _weights_error(
+            f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected [r, "
             f"{target.in_features}] / [{target.out_features}, r] (adapter made for another base model?)"
         )
     _check_rank(module, module, a.shape[0], config)
@@ -266,8 +448,8 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
         d_a, d_b = (a.shape[1], b.shape[0]) if a.dim() == 2 and b.dim() == 2 else (None, None)
         param = next((p for p, (n_in, n_out) in sides.items() if {d_a, d_b} == {n_in, n_out}), None)
         if param is None or a.shape[0] % E or b.shape[1] % E or a.shape[0] != b.shape[1]:
-            raise ValueError(
-                f"path: {module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, which match neither "
+            raise _weights_error(
+                f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, which match neither "
                 f"gate_up_proj nor down_proj of a base with E={E}, H={H}, I={I} (adapter made for another base "
                 f"model?)"
             )
@@ -287,11 +469,11 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
         b_r = b_r * config.scaling_of(f"{name}.{param}")
         if param == "gate_up_proj":
             if out.a13 is not None:
-                raise ValueError(f"path: two gate_up_proj LoRA pairs for {name!r}")
+                raise _weights_error(f"two gate_up_proj LoRA pairs for {name!r}")
             out.a13, out.b13 = a_r.contiguous(), b_r.contiguous()
         else:
             if out.a2 is not None:
-                raise ValueError(f"path: two down_proj LoRA pairs for {name!r}")
+                raise _weights_error(f"two down_proj LoRA pairs for {name!r}")
             out.a2, out.b2 = a_r.contiguous(), b_r.contiguous()
     return out
 
@@ -301,12 +483,12 @@ def _stack_experts(experts: dict[int, tuple[str, Tensor, Tensor]], E: int, n_in:
     """Per-expert pairs of one projection -> ``A [E,r,in]``, scaled ``B [E,out,r]`` (zeros for absent experts)."""
     ranks = {a.shape[0] for _, a, _ in experts.values()}
     if len(ranks) != 1:
-        raise ValueError(f"path: experts of one projection have different ranks {sorted(ranks)}")
+        raise _weights_error(f"experts of one projection have different ranks {sorted(ranks)}")
     r = ranks.pop()
     a_all, b_all = torch.zeros(E, r, n_in), torch.zeros(E, n_out, r)
     for e, (module, a, b) in experts.items():
         if list(a.shape) != [r, n_in] or list(b.shape) != [n_out, r]:
-            raise ValueError(f"path: {module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
+            raise _weights_error(f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
                              f"[{r}, {n_in}] / [{n_out}, {r}] (adapter made for another base model?)")
         _check_rank(module, module, r, config)
         a_all[e], b_all[e] = a, b * config.scaling_of(module)

@@ -120,8 +120,8 @@ class MultiLoRAModel(nn.Module):
         """Load the PEFT adapter folder ``path`` as ``name``; returns its slot.
 
         ``replace=True`` hot-swaps an adapter already loaded under ``name`` (same slot, in place); without it a
-        taken name is a ValueError. The adapter is validated completely before any slot buffer is written, so a
-        failing load leaves every loaded adapter intact.
+        taken name is a ValueError. The adapter is validated completely, in the slot buffers' dtype, before any slot
+        buffer is written, so a failing load leaves every loaded adapter intact.
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
@@ -132,8 +132,12 @@ class MultiLoRAModel(nn.Module):
             slot = self.slots.slot_of(name)
         else:
             slot = self.slots.free_slot()
+        dtypes = {name: m.lora_b13.dtype for name, m in self.slots.experts_modules.items()}
+        dtypes.update({name: m.lora_b.dtype for name, m in self.slots.linear_modules.items()})
         weights = load_peft_adapter(os.fspath(path), self._experts_targets, self._linear_targets,
-                                    max_rank=self.max_rank, aliases=self._aliases)
+                                    max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
+                                    model_type=getattr(self.model.config, "model_type", None),
+                                    model_module=type(self.model).__module__)
         self.slots.write(name, slot, weights)
         return slot
 

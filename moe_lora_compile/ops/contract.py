@@ -59,6 +59,15 @@ def _expect_dim(name: str, t: torch.Tensor, dim: int, size, what: str) -> None:
     )
 
 
+def _expect_positive(name: str, t: torch.Tensor, dim: int, letter: str, what: str) -> None:
+    """Size ``t.shape[dim]`` (``letter`` in ``what``) must be >= 1: zero experts, slots, rank or features make no
+    layer (T = 0, an empty batch, is fine and never checked here)."""
+    torch._check_value(
+        t.shape[dim] >= 1,
+        lambda: f"{name} must have shape {what} with {letter} >= 1; got {_shape(t)} ({letter} = 0)",
+    )
+
+
 def _expect_dtype(name: str, t: torch.Tensor, allowed, what: str) -> None:
     if t.dtype not in allowed:
         raise TypeError(f"{name} must be {what}, got {t.dtype}")
@@ -80,9 +89,11 @@ def check_fused_moe_lora_args(
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     _expect_rank("x", x, 2, "[T, H]")
     _expect_dtype("x", x, _FLOAT_DTYPES, "a floating tensor")
+    _expect_positive("x", x, 1, "H", "[T, H]")
     T, H = x.shape
     _expect_rank("topk_ids", topk_ids, 2, "[T, k]")
     _expect_dtype("topk_ids", topk_ids, _INDEX_DTYPES, "int32 or int64")
+    _expect_positive("topk_ids", topk_ids, 1, "k", "[T, k]")
     k = topk_ids.shape[1]
     _expect_dim("topk_ids", topk_ids, 0, T, "[T, k] with T = x.shape[0]")
     _expect_rank("topk_weights", topk_weights, 2, "[T, k]")
@@ -97,6 +108,7 @@ def check_fused_moe_lora_args(
     _expect_rank("w2", w2, 3, "[E, H, I] or [E, I, H]")
     for name, t in (("w13", w13), ("w2", w2)):
         _expect_dtype(name, t, _FLOAT_DTYPES, "a floating tensor")
+    _expect_positive("w13", w13, 0, "E", "[E, 2I, H] or [E, H, 2I]")
     E = w13.shape[0]
     if is_transposed(layout):
         _expect_dim("w13", w13, 1, H, f"[E, H, 2I] for layout {layout!r}")
@@ -114,8 +126,12 @@ def check_fused_moe_lora_args(
         two_i == 2 * I,
         lambda: f"w13's gate/up axis ({two_i}) must be twice w2's intermediate axis ({I}) for layout {layout!r}",
     )
+    _expect_positive("w2", w2, 1 if is_transposed(layout) else 2, "I", "[E, I, H]" if is_transposed(layout)
+                     else "[E, H, I]")
 
     _expect_rank("lora_a13", lora_a13, 4, "[L, E, R, H]")
+    _expect_positive("lora_a13", lora_a13, 0, "L", "[L, E, R, H]")
+    _expect_positive("lora_a13", lora_a13, 2, "R", "[L, E, R, H]")
     L, R = lora_a13.shape[0], lora_a13.shape[2]
     _expect_dim("lora_a13", lora_a13, 1, E, "[L, E, R, H]")
     _expect_dim("lora_a13", lora_a13, 3, H, "[L, E, R, H]")
@@ -133,10 +149,12 @@ def check_fused_moe_lora_args(
 
     if w13_bias is not None:
         _expect_rank("w13_bias", w13_bias, 2, "[E, 2I]")
+        _expect_dtype("w13_bias", w13_bias, _FLOAT_DTYPES, "a floating tensor")
         _expect_dim("w13_bias", w13_bias, 0, E, f"[E, 2I] = [{E}, {2 * I}]")
         _expect_dim("w13_bias", w13_bias, 1, 2 * I, f"[E, 2I] = [{E}, {2 * I}]")
     if w2_bias is not None:
         _expect_rank("w2_bias", w2_bias, 2, "[E, H]")
+        _expect_dtype("w2_bias", w2_bias, _FLOAT_DTYPES, "a floating tensor")
         _expect_dim("w2_bias", w2_bias, 0, E, f"[E, H] = [{E}, {H}]")
         _expect_dim("w2_bias", w2_bias, 1, H, f"[E, H] = [{E}, {H}]")
 
@@ -152,12 +170,16 @@ def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> N
     """Shape/dtype/device checks of ``lora_linear``; raises ValueError/TypeError naming the argument."""
     _expect_rank("x", x, 2, "[T, in]")
     _expect_dtype("x", x, _FLOAT_DTYPES, "a floating tensor")
+    _expect_positive("x", x, 1, "in", "[T, in]")
     T, n_in = x.shape
     _expect_rank("weight", weight, 2, "[out, in]")
     _expect_dtype("weight", weight, _FLOAT_DTYPES, "a floating tensor")
     _expect_dim("weight", weight, 1, n_in, f"[out, in] with in = x.shape[1] = {n_in}")
+    _expect_positive("weight", weight, 0, "out", "[out, in]")
     n_out = weight.shape[0]
     _expect_rank("lora_a", lora_a, 3, "[L, R, in]")
+    _expect_positive("lora_a", lora_a, 0, "L", "[L, R, in]")
+    _expect_positive("lora_a", lora_a, 1, "R", "[L, R, in]")
     L, R = lora_a.shape[0], lora_a.shape[1]
     _expect_dim("lora_a", lora_a, 2, n_in, f"[L, R, in] with in = {n_in}")
     _expect_rank("lora_b", lora_b, 3, "[L, out, R]")
@@ -170,6 +192,7 @@ def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> N
     _expect_dim("token_lora_ids", token_lora_ids, 0, T, "[T] with T = x.shape[0]")
     if bias is not None:
         _expect_rank("bias", bias, 1, "[out]")
+        _expect_dtype("bias", bias, _FLOAT_DTYPES, "a floating tensor")
         _expect_dim("bias", bias, 0, n_out, f"[out] = [{n_out}]")
     for name, t in (("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b),
                     ("token_lora_ids", token_lora_ids), ("bias", bias)):

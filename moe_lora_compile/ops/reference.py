@@ -1,8 +1,10 @@
 """Pure-PyTorch reference impls of the ops: the definition of correctness.
 
 Static shapes, fp32 accumulation, no ``.item()`` and no data-dependent Python control flow, so the same code runs on
-CPU and CUDA and traces under ``torch.compile``. "No adapter" (``token_lora_ids == -1``) is a multiplicative mask,
-never a branch. Layouts and argument meanings: :mod:`moe_lora_compile.ops.contract`.
+CPU and CUDA and traces under ``torch.compile``. "No adapter" (``token_lora_ids == -1``) is data, never a branch.
+A row's LoRA delta is *selected* (``torch.where``, gathers), never multiplied by a 0/1 mask, so a non-finite value
+in a slot the row does not use cannot reach it (``0 * inf`` is NaN), and ``-1`` rows get exactly the base result.
+Layouts and argument meanings: :mod:`moe_lora_compile.ops.contract`.
 """
 
 from __future__ import annotations
@@ -32,16 +34,17 @@ def glu_activation(gate: Tensor, up: Tensor, activation: str, alpha: float, limi
 
 
 def _pair_lora(xp: Tensor, a: Tensor, b: Tensor, lora_ids: Tensor, experts: Tensor) -> Tensor:
-    """Per (token, k) pair LoRA delta ``B[l,e] @ (A[l,e] @ x)``, zero where ``l == -1``.
+    """Per (token, k) pair LoRA delta ``B[l,e] @ (A[l,e] @ x)``, exactly zero where ``l == -1``.
 
     xp [P, in] fp32; a [L, E, R, in]; b [L, E, out, R]; lora_ids/experts [P] int64 -> [P, out] fp32.
+    Each pair gathers its own slot's factors (``-1`` pairs read slot 0, then ``where`` drops the result).
     """
-    has_lora = (lora_ids >= 0).to(xp.dtype)
+    has_lora = lora_ids >= 0
     slot = lora_ids.clamp(min=0)
     a_p = a[slot, experts].to(xp.dtype)  # [P, R, in]
     b_p = b[slot, experts].to(xp.dtype)  # [P, out, R]
     shrunk = torch.bmm(a_p, xp.unsqueeze(-1))  # [P, R, 1]
-    return torch.bmm(b_p, shrunk).squeeze(-1) * has_lora.unsqueeze(-1)
+    return torch.where(has_lora.unsqueeze(-1), torch.bmm(b_p, shrunk).squeeze(-1), 0.0)
 
 
 def _pair_matmul(xp: Tensor, w: Tensor, experts: Tensor, transposed: bool) -> Tensor:
@@ -116,7 +119,10 @@ def lora_linear_reference(
     """``y = x @ weight^T (+ bias) + B[l] A[l] x`` per token, ``l = token_lora_ids[t]`` (-1 = none).
 
     x [T, in]; weight [out, in]; lora_a [L, R, in]; lora_b [L, out, R] -> y [T, out] in ``x.dtype``.
-    The per-token slot choice is a one-hot mask over all L slots (shrink is cheap), not a gather of B.
+    One shrink over all L slots (cheap), then each token keeps only its own slot's rank vector (``where``, so a
+    non-finite value from another slot's A is dropped, not multiplied by 0) and one expand over the ``[L*R]`` axis
+    (no per-token gather of B). Non-finite entries of B are zeroed for that expand, where the other tokens' zeros
+    meet them; a token whose own slot's B has one gets NaN instead (``poison``), as a per-slot loop would.
     """
     acc = torch.float32 if x.dtype != torch.float64 else torch.float64
     L, R, n_in = lora_a.shape
@@ -126,6 +132,9 @@ def lora_linear_reference(
         y = y + bias.to(acc)
     shrunk = (xf @ lora_a.to(acc).reshape(L * R, n_in).t()).reshape(-1, L, R)  # [T, L, R]
     one_hot = token_lora_ids.long().unsqueeze(1) == torch.arange(L, device=x.device).unsqueeze(0)  # [T, L]
-    shrunk = shrunk * one_hot.to(acc).unsqueeze(-1)
-    b_flat = lora_b.to(acc).permute(0, 2, 1).reshape(L * R, -1)  # [L*R, out]
+    b = lora_b.to(acc)
+    b_finite = torch.isfinite(b)
+    poison = torch.where(b_finite.flatten(1).all(dim=1), 0.0, float("nan")).to(acc)  # [L]: NaN for a bad slot
+    shrunk = torch.where(one_hot.unsqueeze(-1), shrunk + poison.unsqueeze(-1), 0.0)
+    b_flat = torch.where(b_finite, b, 0.0).permute(0, 2, 1).reshape(L * R, -1)  # [L*R, out]
     return (y + shrunk.reshape(-1, L * R) @ b_flat).to(x.dtype)

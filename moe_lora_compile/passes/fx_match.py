@@ -58,6 +58,28 @@ def skip(node: Node) -> Node:
     return chain(node)[-1]
 
 
+def is_zero(node: Any) -> bool:
+    """A literal 0 or a ``full``/``scalar_tensor`` of 0 (how ``torch.where(c, x, 0.0)`` appears post-grad)."""
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return node == 0
+    node = skip(node)
+    if is_call(node, aten.full.default) and len(node.args) > 1:
+        return isinstance(node.args[1], (int, float)) and node.args[1] == 0
+    if is_call(node, aten.scalar_tensor.default):
+        return isinstance(node.args[0], (int, float)) and node.args[0] == 0
+    return False
+
+
+def where_or_zero(node: Any) -> Optional[tuple[Node, Node]]:
+    """``torch.where(cond, value, 0)`` (through views and casts) -> ``(cond, value)``, else None."""
+    node = skip(node)
+    if is_call(node, aten.where.self) and is_zero(node.args[2]) and isinstance(node.args[1], Node):
+        return node.args[0], node.args[1]
+    if is_call(node, aten.where.ScalarOther) and is_zero(node.args[2]) and isinstance(node.args[1], Node):
+        return node.args[0], node.args[1]
+    return None
+
+
 def name(node: Any) -> str:
     return node.name if isinstance(node, Node) else repr(node)
 

@@ -4,7 +4,7 @@ Two source forms, anchored on the ``add`` / ``addmm`` that adds the delta (Induc
 already turned ``mm + add`` into ``addmm``, and 3-D activations into ``reshape -> mm -> reshape``):
 
 - ``multi``: our :func:`~moe_lora_compile.ops.reference.lora_linear_reference`: ``x W^T (+ b)`` plus
-  ``(x A_flat^T * one_hot(ids)) B_flat`` over all L slots;
+  ``where(one_hot(ids), x A_flat^T (+ poison), 0) @ where(isfinite(B), B, 0)_flat`` over all L slots;
 - ``peft``: PEFT's single adapter ``base(x) + lora_B(lora_A(x)) * s``: becomes one slot (``A[None]``,
   ``(s B)[None]``) with every token's id 0.
 
@@ -20,7 +20,7 @@ import torch
 from torch.fx import Node
 
 from .fx_match import (NoMatch, aten, find_in_chain, insert_call, is_call, name, require, same_shape, shape, skip,
-                       val)
+                       val, where_or_zero)
 
 
 @dataclasses.dataclass
@@ -73,33 +73,38 @@ def _mm_of(node: Node) -> Optional[tuple[Node, Node]]:
 
 
 def _multi_delta(lhs: Node, rhs: Node):
-    """``mm(mask(x @ A_flat^T), B_flat)`` of the reference -> ``(x, A, B, ids)``, else None."""
+    """``mm(where(one_hot, x @ A_flat^T (+ poison), 0), where(finite, B, 0)_flat)`` of the reference ->
+    ``(x, A, B, ids)``, else None."""
     b_perm = skip(rhs)
     if not (is_call(b_perm, aten.permute.default) and list(b_perm.args[1]) == [0, 2, 1]):
         return None
-    b = skip(b_perm.args[0])
-    masked = skip(lhs)
-    if not is_call(masked, aten.mul.Tensor):
+    b_selected = where_or_zero(b_perm.args[0])
+    b = skip(b_selected[1]) if b_selected is not None else skip(b_perm.args[0])
+    selected = where_or_zero(lhs)
+    if selected is None:
         return None
-    for shrunk, mask in (masked.args, masked.args[::-1]):
-        if not isinstance(shrunk, Node) or not isinstance(mask, Node):
-            continue
-        eq, mm = skip(mask), _mm_of(shrunk)
-        if not (is_call(eq, aten.eq.Tensor) and mm is not None):
-            continue
-        a_flat = _t_arg(mm[1])
-        if a_flat is None:
-            continue
-        a = skip(a_flat)  # looks through the [L*R, in] reshape
-        if shape(a) is None or len(shape(a)) != 3 or shape(b) is None or len(shape(b)) != 3:
-            continue
-        slots = [s for s in eq.args[:2] if _is_slot_range(s, shape(a)[0])]
-        ids = [s for s in eq.args[:2] if isinstance(s, Node) and s not in slots
-               and val(s).dtype in (torch.int32, torch.int64)]
-        if len(slots) != 1 or len(ids) != 1:
-            continue
-        return mm[0], a, b, ids[0]
-    return None
+    mask, shrunk = selected
+    eq = skip(mask)
+    if not is_call(eq, aten.eq.Tensor):
+        return None
+    shrunk = skip(shrunk)
+    if is_call(shrunk, aten.add.Tensor):  # the per-slot NaN poison for slots whose B is not finite
+        shrunk = next((t for t in shrunk.args[:2] if _mm_of(t) is not None), shrunk)
+    mm = _mm_of(shrunk)
+    if mm is None:
+        return None
+    a_flat = _t_arg(mm[1])
+    if a_flat is None:
+        return None
+    a = skip(a_flat)  # looks through the [L*R, in] reshape
+    if shape(a) is None or len(shape(a)) != 3 or shape(b) is None or len(shape(b)) != 3:
+        return None
+    slots = [s for s in eq.args[:2] if _is_slot_range(s, shape(a)[0])]
+    ids = [s for s in eq.args[:2] if isinstance(s, Node) and s not in slots
+           and val(s).dtype in (torch.int32, torch.int64)]
+    if len(slots) != 1 or len(ids) != 1:
+        return None
+    return mm[0], a, b, ids[0]
 
 
 def _is_slot_range(node, n_slots) -> bool:

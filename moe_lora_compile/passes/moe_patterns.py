@@ -3,7 +3,7 @@
 Three source forms, all anchored on the final ``pairs.view(T, k, H).sum(dim=1)``:
 
 - ``pairwise``: per (token, k) pair ``bmm`` with gathered expert weights ``w[experts]``: our reference
-  (:func:`~moe_lora_compile.ops.reference.fused_moe_lora_reference`, LoRA terms masked by ``token_lora_ids >= 0``)
+  (:func:`~moe_lora_compile.ops.reference.fused_moe_lora_reference`, LoRA terms selected by ``token_lora_ids >= 0``)
   and transformers' ``batched_mm`` experts (no LoRA);
 - ``grouped``: transformers' ``grouped_mm`` experts (sort by expert, ``_grouped_mm`` with offsets, inverse permute).
 
@@ -29,7 +29,7 @@ from torch.fx import Node
 from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..ops.reference import glu_activation, split_gate_up
 from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, name, require, same,
-                       same_shape, shape, skip, val)
+                       same_shape, shape, skip, val, where_or_zero)
 
 
 def _grouped_mm_targets() -> tuple:
@@ -174,32 +174,29 @@ def _cast_free(node: Node) -> Node:
 
 
 def _lora_term(term: Node):
-    """``bmm(B[slot,e], bmm(A[slot,e], x)) * (ids >= 0)`` -> ``(A, B, ids, e, x)``, else None."""
-    node = skip(term)
-    if not is_call(node, aten.mul.Tensor):
+    """``where(ids >= 0, bmm(B[slot,e], bmm(A[slot,e], x)), 0)`` -> ``(A, B, ids, e, x)``, else None."""
+    selected = where_or_zero(term)
+    if selected is None:
         return None
-    for prod, mask in (node.args, node.args[::-1]):
-        if not (isinstance(prod, Node) and isinstance(mask, Node)):
-            continue
-        outer, ge = _bmm_operands(prod), skip(mask)
-        if outer is None or not (is_call(ge, aten.ge.Scalar) and ge.args[1] == 0):
-            continue
-        b = _gather(outer[0], 4, 2)
-        inner = _bmm_operands(outer[1])
-        if b is None or inner is None:
-            continue
-        a = _gather(inner[0], 4, 2)
-        if a is None:
-            continue
-        (a_src, (a_slot, a_e)), (b_src, (b_slot, b_e)) = a, b
-        ids = skip(ge.args[0])
-        slots = [skip(s) for s in (a_slot, b_slot)]
-        if not all(is_call(s, aten.clamp_min.default) and skip(s.args[0]) is ids for s in slots):
-            continue
-        if skip(a_e) is not skip(b_e):
-            continue
-        return a_src, b_src, ge.args[0], a_e, inner[1]
-    return None
+    mask, prod = selected
+    outer, ge = _bmm_operands(prod), skip(mask)
+    if outer is None or not (is_call(ge, aten.ge.Scalar) and ge.args[1] == 0):
+        return None
+    b = _gather(outer[0], 4, 2)
+    inner = _bmm_operands(outer[1])
+    if b is None or inner is None:
+        return None
+    a = _gather(inner[0], 4, 2)
+    if a is None:
+        return None
+    (a_src, (a_slot, a_e)), (b_src, (b_slot, b_e)) = a, b
+    ids = skip(ge.args[0])
+    slots = [skip(s) for s in (a_slot, b_slot)]
+    if not all(is_call(s, aten.clamp_min.default) and skip(s.args[0]) is ids for s in slots):
+        return None
+    if skip(a_e) is not skip(b_e):
+        return None
+    return a_src, b_src, ge.args[0], a_e, inner[1]
 
 
 def _base_bmm_term(term: Node):

@@ -189,3 +189,28 @@ def test_dense_stacks_and_scaling_from_patterns(tmp_path):
         torch.testing.assert_close(ours.lora_a[slot, :r], peft_layer.lora_A["default"].weight)
         torch.testing.assert_close(ours.lora_b[slot, :, :r], peft_layer.lora_B["default"].weight * scale)
         assert not ours.lora_a[slot, r:].any() and not ours.lora_b[slot, :, r:].any()
+
+
+def test_concat_family_adapter_refused_by_gpt_oss(tmp_path):
+    """Issue 11 item 8, the other way round: a GPT-OSS-shaped adapter whose folder says it was made for Qwen3-MoE
+    (concatenated gate/up) is refused by a GPT-OSS model (interleaved), which reads the same names and shapes."""
+    base, _ = _make_adapter("gpt_oss", tmp_path / "own")
+    _rewrite(tmp_path / "own", tmp_path / "foreign", lambda t: t, {"auto_mapping": {
+        "base_model_class": "Qwen3MoeForCausalLM", "parent_library": "transformers.models.qwen3_moe.modeling_qwen3_moe"}})
+    mm = attach(base, max_loras=2, max_rank=8)
+    mm.load_adapter("own", tmp_path / "own")  # PEFT's own record says gpt_oss: fine
+    with pytest.raises(ValueError, match=r"foreign'.*adapter_config.json: adapter made for a 'qwen3_moe' base "
+                                         r"\(auto_mapping.parent_library .*\).*'gpt_oss' model.*'concat'.*"
+                                         r"'transposed_interleaved'"):
+        mm.load_adapter("foreign", tmp_path / "foreign")
+    assert mm.adapters == {"own": 0}
+
+
+def test_loader_returns_the_slot_dtype(tmp_path):
+    """``dtype`` (one, or per module): the factors come back cast, so the slots copy them without a second cast."""
+    _make_adapter("qwen3_moe", tmp_path / "ad")
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    mm = attach(base, max_loras=1, max_rank=8)
+    out = load_peft_adapter(str(tmp_path / "ad"), mm._experts_targets, mm._linear_targets, max_rank=8,
+                            dtype=torch.bfloat16)
+    assert {t.dtype for lora in out.values() for t in vars(lora).values() if t is not None} == {torch.bfloat16}

@@ -130,12 +130,118 @@ BAD_FOLDERS = [
 ]
 
 
+
+
+def _raw_config(text):
+    """Replace adapter_config.json by ``text`` verbatim (malformed JSON, a list, NaN, ...)."""
+    def build(a, d):
+        _copy_with(a["paths"]["x"], d)
+        open(os.path.join(d, "adapter_config.json"), "w").write(text)
+        return d
+    return build
+
+
+def _config_without(field):
+    def build(a, d):
+        _copy_with(a["paths"]["x"], d)
+        path = os.path.join(d, "adapter_config.json")
+        config = json.loads(open(path).read())
+        del config[field]
+        open(path, "w").write(json.dumps(config))
+        return d
+    return build
+
+
+def _truncated(a, d):
+    _copy_with(a["paths"]["x"], d)
+    path = os.path.join(d, "adapter_model.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    return d
+
+
+def _garbage_header(a, d):
+    _copy_with(a["paths"]["x"], d)
+    path = os.path.join(d, "adapter_model.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[8:40] = b"#" * 32  # the JSON header right after the 8-byte length
+    open(path, "wb").write(bytes(data))
+    return d
+
+
+def _retyped(needle, dtype):
+    def fn(t):
+        key = _first_key(t, needle)
+        t[key] = (t[key] * 10).to(dtype)
+        return t
+    return fn
+
+
+def _scaled(factor, dtype=None):
+    def fn(t):
+        return {k: (v.to(dtype) if dtype else v) * (factor if "lora_B" in k else 1) for k, v in t.items()}
+    return fn
+
+
+def _auto_mapping(model_type, cls):
+    return {"auto_mapping": {"base_model_class": cls,
+                             "parent_library": f"transformers.models.{model_type}.modeling_{model_type}"}}
+
+
+# Issue 11 items 3, 7 and 8: every malformed, overflowing or foreign folder is a ValueError naming the folder, the
+# file and the problem, and leaves every slot bit-identical.
+BAD_FOLDERS += [
+    # item 3: values that are finite in the file but not after the scaling / the cast to the slot dtype
+    ("alpha_nan", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"lora_alpha": float("nan")}),
+     ValueError, r"adapter_config.json: lora_alpha must be a finite number, got nan"),
+    ("alpha_inf", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"lora_alpha": float("inf")}),
+     ValueError, r"lora_alpha must be a finite number"),
+    ("alpha_1e308", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"lora_alpha": 1e308}),
+     ValueError, r"adapter_model.safetensors: .* is not finite after the scaling .* slot dtype torch.float32"),
+    ("fp64_weights_x1e300", lambda a, d: _copy_with(a["paths"]["x"], d, _scaled(1e300, torch.float64)),
+     ValueError, r"not finite after the scaling .* slot dtype torch.float32"),
+    ("alpha_pattern_nan", lambda a, d: _copy_with(a["paths"]["x"], d,
+                                                  config_updates={"alpha_pattern": {"q_proj": float("nan")}}),
+     ValueError, r"alpha_pattern\['q_proj'\] must be a finite number"),
+    # item 7: malformed adapter_config.json
+    ("config_not_json", _raw_config("{not json"), ValueError, r"adapter_config.json: cannot be read as JSON"),
+    ("config_a_list", _raw_config("[1, 2]"), ValueError, r"adapter_config.json: must hold a JSON object, got list"),
+    ("config_missing_r", _config_without("r"), ValueError, r"adapter_config.json: has no 'r'"),
+    ("r_zero", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"r": 0}),
+     ValueError, r"adapter_config.json: r must be a positive int, got 0"),
+    ("r_a_string", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"r": "4"}),
+     ValueError, r"r must be a positive int, got '4'"),
+    ("alpha_a_string", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"lora_alpha": "8"}),
+     ValueError, r"lora_alpha must be a finite number, got '8'"),
+    ("rank_pattern_not_dict", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"rank_pattern": [4]}),
+     ValueError, r"rank_pattern must be an object"),
+    ("rank_pattern_zero", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"rank_pattern": {"q_proj": 0}}),
+     ValueError, r"rank_pattern\['q_proj'\] must be a positive int"),
+    ("bad_regex", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"rank_pattern": {"q_proj(": 4}}),
+     ValueError, r"rank_pattern key 'q_proj\(' is not a valid regular expression"),
+    ("use_rslora_a_string", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"use_rslora": "no"}),
+     ValueError, r"use_rslora must be true or false"),
+    # item 7: corrupt / truncated safetensors, integer and bool tensors
+    ("truncated_safetensors", _truncated, ValueError, r"adapter_model.safetensors: cannot be read"),
+    ("garbage_safetensors_header", _garbage_header, ValueError, r"adapter_model.safetensors: cannot be read"),
+    ("int_tensor", lambda a, d: _copy_with(a["paths"]["x"], d, _retyped("q_proj.lora_A", torch.int32)),
+     ValueError, r"adapter_model.safetensors: adapter weight .*q_proj.lora_A.* is torch.int32"),
+    ("bool_tensor", lambda a, d: _copy_with(a["paths"]["x"], d, _retyped("experts.lora_B", torch.bool)),
+     ValueError, r"is torch.bool; LoRA weights must be floating"),
+    # item 8: made for GPT-OSS (interleaved gate/up), same names and shapes, loaded into Qwen3-MoE (concatenated)
+    ("gpt_oss_experts_into_qwen3", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates=_auto_mapping(
+        "gpt_oss", "GptOssForCausalLM")), ValueError,
+     r"adapter_config.json: adapter made for a 'gpt_oss' base .* gate and up mixed up"),
+]
+
+
 @pytest.mark.parametrize("case, build, error, message", BAD_FOLDERS, ids=[c[0] for c in BAD_FOLDERS])
 def test_bad_adapter_folder_leaves_slots_intact(mm, adapters, tmp_path, case, build, error, message):
     path = build(adapters, tmp_path / case)
     before, ids_before = _all_buffers(mm)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as excinfo:
         mm.load_adapter("new", path)
+    assert os.fspath(path) in str(excinfo.value)  # names the folder
     after, ids_after = _all_buffers(mm)
     assert mm.adapters == {"x": 0, "y": 1}
     assert ids_after == ids_before
@@ -238,3 +344,46 @@ def test_bad_attach_arguments(adapters, kwargs, message):
 def test_attach_twice_is_an_error(mm):
     with pytest.raises(ValueError, match="already attached"):
         attach(mm.model)
+
+
+def test_fp16_model_refuses_weights_that_overflow_fp16(adapters, tmp_path):
+    """~1e6 weights are fine in fp32 slots but overflow fp16 ones: the check is on the cast tensors."""
+    path = _copy_with(adapters["paths"]["x"], tmp_path / "big_values", _scaled(2e5))
+    fp32 = attach(copy.deepcopy(adapters["base"]), max_loras=2, max_rank=8)
+    fp32.load_adapter("big", path)
+    fp16 = attach(copy.deepcopy(adapters["base"]).half(), max_loras=2, max_rank=8)
+    fp16.load_adapter("x", adapters["paths"]["x"])
+    before, _ = _all_buffers(fp16)
+    with pytest.raises(ValueError, match=r"adapter_model.safetensors: .* slot dtype torch.float16 \(max 6.55e\+04\)"):
+        fp16.load_adapter("big", path)
+    after, _ = _all_buffers(fp16)
+    assert fp16.adapters == {"x": 0} and all(torch.equal(before[k], after[k]) for k in before)
+    module = next(iter(fp16.slots.experts_modules.values()))
+    assert module.lora_b13.dtype == torch.float16 and torch.isfinite(module.lora_b13).all()
+
+
+@pytest.mark.parametrize("how", ["auto_mapping", "local_base_config"])
+def test_other_family_with_fitting_names_warns(adapters, tmp_path, how):
+    """Item 8: the folder says it was made for another family whose experts share this layout (OLMoE), or has no
+    expert weights: load, but warn with the reason."""
+    if how == "auto_mapping":
+        updates = _auto_mapping("olmoe", "OlmoeForCausalLM")
+    else:
+        base_dir = tmp_path / "local_base"
+        base_dir.mkdir()
+        (base_dir / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+        updates = {"auto_mapping": None, "base_model_name_or_path": os.fspath(base_dir)}
+    src = adapters["paths"]["x" if how == "auto_mapping" else "attn_only"]
+    path = _copy_with(src, tmp_path / how, config_updates=updates)
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
+    with pytest.warns(UserWarning, match=r"adapter made for a '(olmoe|gpt_oss)' base .* into a 'qwen3_moe' model"):
+        mm.load_adapter("z", path)
+    assert mm.adapters == {"z": 0}
+
+
+def test_own_family_does_not_warn(adapters):
+    import warnings
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.load_adapter("x", adapters["paths"]["x"])

@@ -11,7 +11,7 @@ NAMES = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2", "lora_a
 
 
 def _moe_args(**case):
-    args, kwargs = MoECase(T=4, **case).make()
+    args, kwargs = MoECase(**{"T": 4, **case}).make()
     return dict(zip(NAMES, args)), kwargs
 
 
@@ -95,3 +95,125 @@ def test_lora_linear_bad_bias():
     args, _ = make_linear(5, 10, 12, 3, 4)
     with pytest.raises(ValueError, match=r"bias must have shape \[out\]"):
         mlc.lora_linear(*args, bias=torch.zeros(11))
+
+
+# --- issue 11, item 3: a non-finite (or overflowing) value in one slot stays in the rows that use that slot --------
+
+_POISONS = [float("inf"), float("nan"), 3e38]  # 3e38: finite, but x @ A overflows fp32
+
+
+@pytest.mark.parametrize("pos,value", [(2, float("inf")), (2, float("nan")), (2, 3e38), (3, float("inf")),
+                                       (3, float("nan"))], ids=["lora_a-inf", "lora_a-nan", "lora_a-overflow",
+                                                                 "lora_b-inf", "lora_b-nan"])
+def test_lora_linear_bad_slot_stays_in_its_rows(pos, value):
+    """The issue's reproducer: ``B[1] = inf; lora_linear(x, W, A, B, ids=[0, -1])`` gave NaN in both rows."""
+    (x, weight, a, b, _), bias = make_linear(6, 10, 12, 3, 4, bias=True)
+    ids = torch.tensor([0, -1, 1, 2, -1, 1], dtype=torch.int32)
+    clean = mlc.lora_linear(x, weight, a, b, ids, bias=bias)
+    base = mlc.lora_linear(x, weight, a, b, torch.full_like(ids, -1), bias=bias)
+    bad = [a, b]
+    bad[pos - 2] = bad[pos - 2].clone()
+    bad[pos - 2][1] = value
+    y = mlc.lora_linear(x, weight, *bad, ids, bias=bias)
+    others = ids != 1
+    torch.testing.assert_close(y[others], clean[others], rtol=1e-6, atol=1e-6)
+    assert torch.equal(y[ids == -1], base[ids == -1])  # -1 rows: exactly the base result
+    assert not torch.isfinite(y[ids == 1]).all()  # the bad slot's own rows do show it
+
+
+@pytest.mark.parametrize("value", _POISONS, ids=["inf", "nan", "overflow"])
+@pytest.mark.parametrize("name", ["lora_a13", "lora_b13", "lora_a2", "lora_b2"])
+def test_fused_moe_lora_bad_slot_stays_in_its_rows(name, value):
+    args, kwargs = _moe_args(T=6, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
+    ids = torch.tensor([0, -1, 2, 1, -1, 2], dtype=torch.int32)  # slot 0 is poisoned below
+    args["token_lora_ids"] = ids
+    clean = mlc.fused_moe_lora(*args.values(), **kwargs)
+    base = mlc.fused_moe_lora(*{**args, "token_lora_ids": torch.full_like(ids, -1)}.values(), **kwargs)
+    args[name] = args[name].clone()
+    args[name][0] = value
+    y = mlc.fused_moe_lora(*args.values(), **kwargs)
+    others = ids != 0
+    torch.testing.assert_close(y[others], clean[others], rtol=1e-6, atol=1e-6)
+    assert torch.equal(y[ids == -1], base[ids == -1])
+
+
+# --- issue 11, item 9: zero sizes that make no layer, and integer/bool biases -----------------------------------
+
+_ZERO_DIMS = {
+    # name: ({argument: how to cut it}, message) on the concat case's [T,H] x, [E,2I,H] w13, [E,H,I] w2
+    "L=0": ({n: (lambda t: t[:0]) for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2")},
+            "lora_a13 must have shape [L, E, R, H] with L >= 1"),
+    "R=0": ({"lora_a13": lambda t: t[:, :, :0], "lora_b13": lambda t: t[..., :0], "lora_a2": lambda t: t[:, :, :0],
+             "lora_b2": lambda t: t[..., :0]}, "lora_a13 must have shape [L, E, R, H] with R >= 1"),
+    "H=0": ({"x": lambda t: t[:, :0], "w13": lambda t: t[..., :0], "w2": lambda t: t[:, :0],
+             "lora_a13": lambda t: t[..., :0], "lora_b2": lambda t: t[:, :, :0]},
+            "x must have shape [T, H] with H >= 1"),
+    "I=0": ({"w13": lambda t: t[:, :0], "w2": lambda t: t[..., :0], "lora_b13": lambda t: t[:, :, :0],
+             "lora_a2": lambda t: t[..., :0]}, "w2 must have shape [E, H, I] with I >= 1"),
+    "k=0": ({"topk_ids": lambda t: t[:, :0], "topk_weights": lambda t: t[:, :0]},
+            "topk_ids must have shape [T, k] with k >= 1"),
+}
+
+
+def _escaped(message):
+    return message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")
+
+
+@pytest.mark.parametrize("case", list(_ZERO_DIMS))
+def test_fused_moe_lora_zero_sizes(case):
+    cuts, message = _ZERO_DIMS[case]
+    args, kwargs = _moe_args()
+    for name, cut in cuts.items():
+        args[name] = cut(args[name])
+    with pytest.raises(ValueError, match=_escaped(message)):
+        mlc.fused_moe_lora(*args.values(), **kwargs)
+
+
+@pytest.mark.parametrize("bias", ["w13_bias", "w2_bias"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_fused_moe_lora_integer_bias(bias, dtype):
+    args, kwargs = _moe_args(bias=True)
+    kwargs[bias] = kwargs[bias].to(dtype)
+    with pytest.raises(TypeError, match=f"{bias} must be a floating tensor, got {dtype}"):
+        mlc.fused_moe_lora(*args.values(), **kwargs)
+
+
+def test_empty_batch_still_works():
+    """T = 0 is an empty batch, not a zero-size layer: both ops return an empty output."""
+    args, kwargs = _moe_args(T=0, bias=True)
+    assert mlc.fused_moe_lora(*args.values(), **kwargs).shape == (0, 16)
+    (x, weight, a, b, ids), bias = make_linear(0, 10, 12, 3, 4, bias=True)
+    assert mlc.lora_linear(x, weight, a, b, ids, bias=bias).shape == (0, 12)
+
+
+@pytest.mark.parametrize("cuts,message", [
+    ({2: lambda t: t[:0], 3: lambda t: t[:0]}, "lora_a must have shape [L, R, in] with L >= 1"),
+    ({2: lambda t: t[:, :0], 3: lambda t: t[..., :0]}, "lora_a must have shape [L, R, in] with R >= 1"),
+    ({0: lambda t: t[:, :0], 1: lambda t: t[:, :0], 2: lambda t: t[..., :0]}, "x must have shape [T, in] with in >= 1"),
+    ({1: lambda t: t[:0], 3: lambda t: t[:, :0]}, "weight must have shape [out, in] with out >= 1"),
+], ids=["L=0", "R=0", "in=0", "out=0"])
+def test_lora_linear_zero_sizes(cuts, message):
+    args, _ = make_linear(5, 10, 12, 3, 4)
+    args = list(args)
+    for pos, cut in cuts.items():
+        args[pos] = cut(args[pos])
+    with pytest.raises(ValueError, match=_escaped(message)):
+        mlc.lora_linear(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool])
+def test_lora_linear_integer_bias(dtype):
+    args, _ = make_linear(5, 10, 12, 3, 4)
+    with pytest.raises(TypeError, match=f"bias must be a floating tensor, got {dtype}"):
+        mlc.lora_linear(*args, bias=torch.zeros(12, dtype=dtype))
+
+
+def test_zero_size_error_under_compile():
+    """The same check runs in the fake impl under symbolic shapes (T dynamic), still naming the argument."""
+    args, _ = make_linear(5, 10, 12, 3, 4)
+    args = list(args)
+    args[2], args[3] = args[2][:, :0], args[3][..., :0]
+    torch._dynamo.mark_dynamic(args[0], 0)
+    fn = torch.compile(mlc.lora_linear, fullgraph=True)
+    with pytest.raises(Exception, match=r"lora_a must have shape \[L, R, in\] with R >= 1"):
+        fn(*args)

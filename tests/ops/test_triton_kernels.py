@@ -454,6 +454,44 @@ def test_default_linear_config_fills_the_sms(T, n_in, n_out):
 # GPU: bf16 at real shapes, through the op
 # ----------------------------------------------------------------------------------------------------------------
 
+# Item 3 of issue 11: a non-finite value in one slot must not reach rows of other slots (nor -1 rows) that share
+# a block with that slot's rows. T=8, E=2, k=1: every block holds rows of slots 0, 1 (poisoned), 2 and -1.
+_POISON_IDS = [0, 1, -1, 2, 1, 0, -1, 1]
+
+
+@pytest.mark.parametrize("path", [(False, False), (False, True)], ids=["sorted", "sorted-fused"])  # sorted blocks (several slots per block), w2 shrink fused
+@pytest.mark.parametrize("name,value", [("b13", float("inf")), ("b2", float("nan")), ("a13", float("inf")),
+                                        ("a2", -float("inf"))])
+def test_nonfinite_slot_stays_in_its_rows(name, value, path):
+    c = Case(T=8, E=2, k=1, L=3, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
+    args, kwargs = make_inputs(c)
+    args = list(args)
+    args[3] = torch.tensor(_POISON_IDS, dtype=torch.int32, device=DEVICE)
+    ref = reference_of(args, kwargs)
+    pos = {"a13": 6, "b13": 7, "a2": 8, "b2": 9}[name]
+    args[pos] = args[pos].clone()
+    args[pos][1] = value
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path)).cpu().double()
+    others = torch.tensor(_POISON_IDS) != 1
+    torch.testing.assert_close(y[others], ref[others], rtol=1e-4, atol=1e-4)
+
+
+def test_lora_linear_nonfinite_slot_stays_in_its_rows():
+    g = torch.Generator().manual_seed(3)
+    n_in, n_out, L, R = 32, 16, 3, 8
+    x, weight = torch.randn(8, n_in, generator=g), torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
+    a, b = torch.randn(L, R, n_in, generator=g), torch.randn(L, n_out, R, generator=g)
+    ids = torch.tensor(_POISON_IDS, dtype=torch.int32)
+    ref = torch.stack([x[t].double() @ weight.double().T + (b[i].double() @ (a[i].double() @ x[t].double())
+                                                            if i >= 0 else 0) for t, i in enumerate(_POISON_IDS)])
+    b[1, 0, 0] = float("inf")
+    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK)}
+    y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)), config=cfg).cpu().double()
+    others = ids != 1
+    torch.testing.assert_close(y[others], ref[others], rtol=1e-4, atol=1e-4)
+    assert not torch.isfinite(y[ids == 1]).all()  # the poisoned adapter's own rows do see it
+
+
 def _rel_err(y, ref):
     return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
 

@@ -8,9 +8,10 @@ the intermediate buffers (``act [rows, I]``, shrink outputs ``s [rows, R]`` fp32
 - ``PER_PAIR``: one pair per block (row 0), no routing at all: for tiny batches;
 - ``DENSE``: block ``b`` holds pairs ``[b*BM, (b+1)*BM)`` and expert 0 (``lora_linear``).
 
-LoRA: a block may hold rows of several adapters. The expand loops over the distinct adapter slots present in the
-block (data, not a Python branch): rows of other slots and of id -1 are zeroed before the small ``tl.dot``, so
-a block with no LoRA row does no LoRA work. Each row's rank vector is computed once by the shrink kernel
+LoRA: a block may hold rows of several adapters. The shrink and the expand loop over the distinct adapter slots
+present in the block (data, not a Python branch) and keep each slot's small ``tl.dot`` only in that slot's rows
+(``tl.where`` on the result, never a multiply by a 0/1 mask, so a non-finite value in one slot cannot reach other
+rows); a block with no LoRA row does no LoRA work. Each row's rank vector is computed once by the shrink kernel
 (split-K over the input dim, one fp32 slice per split, summed by the consumer while loading).
 
 Top-k sum (w2, PER_PAIR mode, ``TOPK_SUM``): the last-arriving program of a token's k pairs per N tile sums
@@ -99,13 +100,15 @@ def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, BLOCK_M: t
                  BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """sum over slots l in the block of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N] fp32.
 
-    s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N]."""
+    s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N].
+    Each slot's product is kept only in its own rows (``tl.where`` on the result, as the shrink does): zeroing the
+    other rows' ``s`` instead would still give ``0 * inf = NaN`` in them for a non-finite value in B[l]."""
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     slot, last = _slot_range(lora, has_lora)
     while slot <= last:
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask, other=0.0)
-        s_slot = tl.where((has_lora & (lora == slot))[:, None], s, 0.0).to(b.dtype)
-        delta += tl.dot(s_slot, b, input_precision=DOT_PRECISION)
+        part = tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
+        delta += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
         slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
     return delta
 
