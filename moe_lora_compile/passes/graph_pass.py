@@ -41,7 +41,7 @@ class MoELoRAPass(CustomGraphPass):
     """Rewrite MoE expert subgraphs to ``moe_lora::fused_moe_lora`` and linear + LoRA to ``moe_lora::lora_linear``.
 
     Options: ``moe`` (our reference MoE+LoRA subgraph), ``hf_experts`` (transformers' ``batched_mm`` /
-    ``grouped_mm`` experts without LoRA: emitted with one rank-0 slot and all token ids ``-1``), ``linear``
+    ``grouped_mm`` experts without LoRA: emitted with one rank-1 zero slot and all token ids ``-1``), ``linear``
     (``lora_linear_reference`` and PEFT's ``base(x) + lora_B(lora_A(x)) * s``).
     ``counts`` accumulates what was rewritten, by kind and source form, over every graph this pass ran on
     (and ``matcher_errors``: anchors left unfused because a matcher raised; logged as warnings).

@@ -28,8 +28,8 @@ from torch.fx import Node
 
 from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..ops.reference import glu_activation, split_gate_up
-from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, name, require, same,
-                       same_shape, shape, skip, val, where_or_zero)
+from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, is_zero, name, require,
+                       same, same_shape, shape, skip, val, where_or_zero)
 
 
 def _grouped_mm_targets() -> tuple:
@@ -138,23 +138,11 @@ def _without_sentinel_mask(node: Node) -> Node:
     inner = skip(node)
     if is_call(inner, aten.masked_fill.Scalar) and inner.args[2] == 0:  # as traced
         mask, kept = inner.args[1], inner.args[0]
-    elif is_call(inner, aten.where.self) and _is_zero(inner.args[1]):  # as Inductor decomposes it
+    elif is_call(inner, aten.where.self) and is_zero(inner.args[1]):  # as Inductor decomposes it
         mask, kept = inner.args[0], inner.args[2]
     else:
         return node
     return kept if is_call(skip(mask), aten.ge.Scalar) else node
-
-
-def _is_zero(node) -> bool:
-    """A literal 0 or a 0-d ``full(.., 0)`` / ``scalar_tensor(0)`` node."""
-    if isinstance(node, (int, float)):
-        return node == 0
-    node = skip(node)
-    if is_call(node, aten.full.default):
-        return node.args[1] == 0
-    if is_call(node, aten.scalar_tensor.default):
-        return node.args[0] == 0
-    return False
 
 
 def _without_id_clamp(node: Node) -> Node:
@@ -526,17 +514,18 @@ def match_moe(anchor: Node) -> MoEMatch:
 
 
 def _no_adapter_stacks(graph, m: MoEMatch):
-    """Rank-0, one-slot LoRA stacks and all ``-1`` token ids: the op computes just the base MoE."""
+    """Rank-1, one-slot zero LoRA stacks and all ``-1`` token ids: the op computes just the base MoE (the kernels
+    skip every LoRA term of a ``-1`` token; the contract asks for R >= 1)."""
     w13, w2 = val(m.w13), val(m.w2)
     E = w13.shape[0]
     H = w13.shape[1] if m.layout != "concat" else w13.shape[2]
     I2 = w13.shape[2] if m.layout != "concat" else w13.shape[1]
     I = w2.shape[1] if m.layout != "concat" else w2.shape[2]
     opts = dict(dtype=w13.dtype, device=w13.device)
-    shapes = ([1, E, 0, H], [1, E, I2, 0], [1, E, 0, I], [1, E, H, 0])
+    shapes = ([1, E, 1, H], [1, E, I2, 1], [1, E, 1, I], [1, E, H, 1])
     for s in shapes:
         require(all(isinstance(d, int) for d in s), "symbolic expert weight shapes")
-    stacks = tuple(insert_call(graph, aten.empty.memory_format, (s,), opts) for s in shapes)
+    stacks = tuple(insert_call(graph, aten.full.default, (s, 0.0), opts) for s in shapes)
     T = insert_call(graph, aten.sym_size.int, (m.x, 0)) if not isinstance(shape(m.x)[0], int) else shape(m.x)[0]
     ids = insert_call(graph, aten.full.default, ([T], -1), dict(dtype=torch.int32, device=w13.device))
     return stacks, ids

@@ -1,5 +1,5 @@
 """transformers' own experts implementations (``grouped_mm``, ``batched_mm``; bf16, no LoRA) become one
-``fused_moe_lora`` each, with no adapters (one rank-0 slot, all token ids -1): base models benefit too."""
+``fused_moe_lora`` each, with no adapters (one rank-1 zero slot, all token ids -1): base models benefit too."""
 
 from __future__ import annotations
 
