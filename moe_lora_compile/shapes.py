@@ -51,6 +51,45 @@ BENCHMARK_GRID = BenchmarkGrid(
 )
 
 
+@dataclass(frozen=True)
+class DecodeModel:
+    """A whole model for the decode benchmark: its MoE geometry plus attention and vocabulary (public config.json;
+    random weights stand in for the checkpoint). ``extra``: further config fields as ``(name, value)`` pairs."""
+
+    moe: MoEGeometry
+    model_type: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    extra: tuple = ()
+
+    def hf_config(self):
+        """The transformers config of this model (bf16, every field spelled out: defaults differ across 5.x)."""
+        import transformers
+
+        g = self.moe
+        common = dict(hidden_size=g.H, num_hidden_layers=g.layers, num_attention_heads=self.heads,
+                      num_key_value_heads=self.kv_heads, head_dim=self.head_dim, vocab_size=self.vocab,
+                      num_experts_per_tok=g.k, tie_word_embeddings=False,
+                      **{k: list(v) if isinstance(v, tuple) else v for k, v in self.extra})
+        if self.model_type == "gpt_oss":
+            return transformers.GptOssConfig(intermediate_size=g.I, num_local_experts=g.E, **common)
+        if self.model_type == "qwen3_moe":
+            return transformers.Qwen3MoeConfig(moe_intermediate_size=g.I, num_experts=g.E, **common)
+        raise ValueError(f"no decode-benchmark config for model_type {self.model_type!r}")
+
+
+DECODE_MODELS: dict[str, DecodeModel] = {
+    "gpt-oss-20b": DecodeModel(GPT_OSS_20B, "gpt_oss", heads=64, kv_heads=8, head_dim=64, vocab=201088,
+                               extra=(("sliding_window", 128),
+                                      ("layer_types", ("sliding_attention", "full_attention") * 12))),
+    "qwen3-30b-a3b": DecodeModel(QWEN3_30B_A3B, "qwen3_moe", heads=32, kv_heads=4, head_dim=128, vocab=151936,
+                                 extra=(("intermediate_size", 6144), ("norm_topk_prob", True),
+                                        ("decoder_sparse_step", 1), ("mlp_only_layers", []))),
+}
+
+
 def get_model(name: str) -> MoEGeometry:
     """Geometry by name (``gpt-oss-20b``, ``qwen3-30b-a3b``, ``mixtral-8x7b``); ValueError names the choices."""
     if name not in MODELS:
