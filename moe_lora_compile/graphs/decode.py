@@ -218,6 +218,7 @@ class DecodeGraphs:
         self._attention_mask[:batch, : self.query_len].fill_(1)
         self._start.fill_(0)
         self.mm.token_lora_ids[: batch * self.query_len].fill_(-1)
+        self.mm.sequence_lora_ids[:batch].fill_(-1)
 
     # --- capture ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -344,8 +345,10 @@ class DecodeGraphs:
         self._position_ids[:batch].copy_(state.lengths[:, None] + self._arange_q)
         self._attention_mask[:batch, p:p + q].fill_(1)
         self._start.fill_(p)
-        self.mm.token_lora_ids[: batch * q].copy_(state.token_lora_ids)
-        logits = self._run_step(batch)
+        with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap
+            self.mm.token_lora_ids[: batch * q].copy_(state.token_lora_ids)
+            self.mm.sequence_lora_ids[:batch].copy_(state.token_lora_ids[::q])  # one slot per sequence
+            logits = self._run_step(batch)
         state.position += q
         state.lengths += q
         state.pending = q
