@@ -1,11 +1,14 @@
 """``attach(model)``: serve many PEFT LoRA adapters on one transformers model, one adapter (or none) per sequence.
 
 Per-token adapter ids live in one int32 buffer ``token_lora_ids [max_tokens]`` owned by the
-:class:`MultiLoRAModel` and registered (the same tensor object, non-persistent) on every LoRA module, which reads
-``token_lora_ids[:T]``. A forward pre-hook on the wrapped model fills it in place from the per-sequence slots before
-every forward, prefill and decode alike (decode steps have one token per sequence), so new adapter mixes never
-recompile. When a batch has more than ``max_tokens`` tokens the buffer is reallocated (doubled until it fits) and
-re-registered everywhere: compiled graphs and CUDA graphs captured before then hold the old buffer, so size
+:class:`MultiLoRAModel` and registered (the same tensor object, non-persistent) on every LoRA module; per-sequence
+slots live in a second one, ``sequence_lora_ids [max_tokens]``, registered on every dense LoRA module. Experts (and
+dense inputs flattened to ``[T, in]``) read ``token_lora_ids[:T]``; a dense input with a batch dim ``[B, ..., in]``
+maps every row of ``x[b]`` to ``sequence_lora_ids[b]`` (by shape: e.g. DeepSeek-V3's ``kv_b_proj`` runs on all
+``ctx`` cached positions, more rows than the forward has tokens). A forward pre-hook on the wrapped model fills both
+in place from the per-sequence slots before every forward, prefill and decode alike (decode steps have one token per
+sequence), so new adapter mixes never recompile. When a batch has more than ``max_tokens`` tokens both buffers are
+reallocated (doubled until they fit) and re-registered everywhere: compiled graphs and CUDA graphs captured before then hold the old buffer, so size
 ``max_tokens`` for the largest batch (default 8192). Code that runs the wrapped model itself (CUDA-graph capture,
 :mod:`moe_lora_compile.graphs`) fills the buffer with ``set_token_lora_ids`` inside ``manual_token_lora_ids()``,
 where the hook stays out of the way.
@@ -185,7 +188,8 @@ class MultiLoRAModel(nn.Module):
     @torch.no_grad()
     def set_token_lora_ids(self, adapters: Optional[Sequence[Optional[str]]], seq_len: int, *,
                            batch_size: Optional[int] = None) -> Tensor:
-        """Write ``token_lora_ids[:batch_size * seq_len]`` in place (one host-to-device copy) and return that view.
+        """Write ``token_lora_ids[:batch_size * seq_len]`` and ``sequence_lora_ids[:batch_size]`` in place (host-to-device
+        copies) and return the token view.
 
         Sequence ``b < len(adapters)`` gets ``adapters[b]``'s slot on each of its ``seq_len`` tokens (row-major, as
         the model flattens ``[B, S]``); padding sequences ``len(adapters) <= b < batch_size`` get ``-1``.
@@ -224,7 +228,8 @@ class MultiLoRAModel(nn.Module):
                 self._manual_ids = previous
 
     def _fill_token_lora_ids(self, module, args, kwargs):
-        """Forward pre-hook: ``token_lora_ids[:B*S]`` <- each sequence's slot, repeated over its S tokens."""
+        """Forward pre-hook: ``sequence_lora_ids[:B]`` <- each sequence's slot; ``token_lora_ids[:B*S]`` <- the same,
+        repeated over its S tokens."""
         if self._manual_ids:
             return
         tokens = kwargs.get("inputs_embeds")
