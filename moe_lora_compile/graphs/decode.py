@@ -72,6 +72,40 @@ def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
     return model(input_ids=input_ids, **kwargs).logits
 
 
+def _validated_draft(proposal, b: int, k: int, vocab: int) -> Tensor:
+    """``draft``'s result as a ``[b, k]`` int64 tensor of ids in ``[0, vocab)``, else a ValueError saying why."""
+    what = f"draft must return [{b}, {k}] integer token ids in [0, {vocab})"
+    if proposal is None:
+        raise ValueError(f"{what}, got None")
+    if not isinstance(proposal, Tensor):
+        try:
+            proposal = torch.as_tensor(proposal)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{what}, got {type(proposal).__name__} ({e})") from None
+    if proposal.dtype.is_floating_point or proposal.dtype.is_complex or proposal.dtype == torch.bool:
+        raise ValueError(f"{what}, got dtype {proposal.dtype}")
+    if tuple(proposal.shape) != (b, k):
+        raise ValueError(f"{what}, got shape {tuple(proposal.shape)}")
+    if proposal.numel() and bool(((proposal < 0) | (proposal >= vocab)).any()):
+        bad = proposal[(proposal < 0) | (proposal >= vocab)].unique().tolist()
+        raise ValueError(f"{what}, got out-of-vocabulary ids {bad[:8]}")
+    return proposal.long()
+
+
+def _window_warning(window: int, position: int, q: int, rejected: list) -> bool:
+    """Warn (once; returns True) when the next step's queries, at slots ``position..position+q-1``, have a rejected
+    slot inside their local-attention window while older tokens fall out of it: from there on speculative
+    decoding may differ from greedy decoding (the window counts slots, not kept tokens)."""
+    last = position + q - 1
+    rows = [row for row, s in enumerate(rejected) if s >= 0 and last - window + 1 > 0 and s > position - window]
+    if not rows:
+        return False
+    warnings.warn(f"speculative decoding: rows {rows} have rejected draft slots inside the {window}-slot local "
+                  f"attention window at cache slot {position}; their tokens from here on may differ from greedy "
+                  f"decoding", RuntimeWarning, stacklevel=4)
+    return True
+
+
 def _local_attention_window(config) -> Optional[int]:
     """The sliding-window / chunk size of the model's local-attention layers, if it has any."""
     layer_types = getattr(config, "layer_types", None) or []
@@ -180,10 +214,15 @@ class DecodeGraphs:
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._num_layers = text_config.num_hidden_layers
         window = _local_attention_window(text_config)
+        self._local_window = window
         if num_speculative_tokens and window is not None and window < max_cache_len:
             warnings.warn(f"this model has local attention over {window} tokens: its window counts cache slots, "
-                          f"and rejected draft tokens leave unused slots, so once a context is longer than the window "
-                          f"speculative decoding can differ from plain greedy decoding", stacklevel=2)
+                          f"and rejected draft tokens leave masked slots, so a token fed at cache slot p attends to "
+                          f"the kept tokens of slots p-{window - 1}..p (fewer than {window} once a rejected slot lies "
+                          f"there) where greedy decoding attends to the last {window} tokens: speculative decoding "
+                          f"equals greedy decoding while prompt + cache slots used stay <= {window} or no draft is "
+                          f"rejected, and can differ afterwards (generate warns when that point is reached)",
+                          stacklevel=2)
 
         # which keyword the installed transformers takes for the cache (5.24 renamed past_key_values -> cache)
         params = inspect.signature(type(mm.model).forward).parameters
@@ -275,6 +314,7 @@ class DecodeGraphs:
         self._attention_mask[:batch, : self.query_len].fill_(1)
         self._start.fill_(0)
         self.mm.token_lora_ids[: batch * self.query_len].fill_(-1)
+        self.mm.sequence_lora_ids[:batch].fill_(-1)
 
     # --- capture ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -410,8 +450,10 @@ class DecodeGraphs:
         self._position_ids[:batch].copy_(state.lengths[:, None] + self._arange_q)
         self._attention_mask[:batch, p:p + q].fill_(1)
         self._start.fill_(p)
-        self.mm.token_lora_ids[: batch * q].copy_(state.token_lora_ids)
-        logits = self._run_step(batch)
+        with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap
+            self.mm.token_lora_ids[: batch * q].copy_(state.token_lora_ids)
+            self.mm.sequence_lora_ids[:batch].copy_(state.token_lora_ids[::q])  # one slot per sequence
+            logits = self._run_step(batch)
         state.position += q
         state.lengths += q
         state.pending = q
@@ -464,7 +506,12 @@ class DecodeGraphs:
         With ``num_speculative_tokens = k > 0``, ``draft(sequences) -> [b, k]`` proposes the next ``k`` tokens of
         each sequence (``sequences[i]``: its tokens so far, 1-D, without left padding); a step verifies them and
         keeps the longest prefix that greedy decoding agrees with, plus the model's next token. The result is the
-        same as plain greedy decoding, whatever the drafts.
+        same as plain greedy decoding, whatever the drafts, except on models with local (sliding-window / chunked)
+        attention of ``W`` tokens: their window counts cache slots, and a rejected draft's slot stays (masked), so a
+        token whose last ``W`` slots hold a rejected one while older tokens fall out of the window sees fewer than
+        ``W`` tokens; output is exact while prompt + slots used stay ``<= W`` (or nothing is rejected), and a
+        RuntimeWarning marks the first step where it may differ. ``draft`` must return ``[b, k]`` integer ids in
+        ``[0, vocab)`` (a tensor or nested lists); anything else is a ValueError.
         """
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
@@ -528,17 +575,24 @@ class DecodeGraphs:
         first = logits.argmax(-1).tolist()
         for row in range(b):
             emit(row, [first[row]])
+        vocab = logits.shape[-1]
+        window = self._local_window
+        rejected = [-1] * b  # per row: its first rejected slot (-1: none yet)
+        warned = False
         while not all(done):
             last = torch.tensor([g[-1] if not d else pad for g, d in zip(generated, done)], device=self.device)
             sequences = [torch.cat([prompts[i], torch.tensor(generated[i], dtype=torch.long, device=self.device)])
                          for i in range(b)]
-            proposal = torch.as_tensor(draft(sequences), dtype=torch.long).to(self.device)
-            if tuple(proposal.shape) != (b, k):
-                raise ValueError(f"draft must return [{b}, {k}] tokens, got shape {tuple(proposal.shape)}")
+            proposal = _validated_draft(draft(sequences), b, k, vocab).to(self.device)
+            if window is not None and not warned:
+                warned = _window_warning(window, state.position, self.query_len, rejected)
             greedy = self.step(state, torch.cat([last[:, None], proposal], dim=1)).argmax(-1)  # [b, q]
             accepted = (greedy[:, :k] == proposal).long().cumprod(1).sum(1)  # [b]: leading matches
             self.accept(state, accepted + 1)
             greedy, accepted = greedy.tolist(), accepted.tolist()
+            for row in range(b):  # slots of rejected drafts: masked, but still inside local-attention windows
+                if accepted[row] < k:
+                    rejected[row] = state.position - 1  # the step's last slot is among its rejected ones
             for row in range(b):
                 emit(row, greedy[row][: accepted[row] + 1])
         width = max(len(g) for g in generated)

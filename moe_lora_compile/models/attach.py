@@ -1,11 +1,14 @@
 """``attach(model)``: serve many PEFT LoRA adapters on one transformers model, one adapter (or none) per sequence.
 
 Per-token adapter ids live in one int32 buffer ``token_lora_ids [max_tokens]`` owned by the
-:class:`MultiLoRAModel` and registered (the same tensor object, non-persistent) on every LoRA module, which reads
-``token_lora_ids[:T]``. A forward pre-hook on the wrapped model fills it in place from the per-sequence slots before
-every forward, prefill and decode alike (decode steps have one token per sequence), so new adapter mixes never
-recompile. When a batch has more than ``max_tokens`` tokens the buffer is reallocated (doubled until it fits) and
-re-registered everywhere: compiled graphs and CUDA graphs captured before then hold the old buffer, so size
+:class:`MultiLoRAModel` and registered (the same tensor object, non-persistent) on every LoRA module; per-sequence
+slots live in a second one, ``sequence_lora_ids [max_tokens]``, registered on every dense LoRA module. Experts (and
+dense inputs flattened to ``[T, in]``) read ``token_lora_ids[:T]``; a dense input with a batch dim ``[B, ..., in]``
+maps every row of ``x[b]`` to ``sequence_lora_ids[b]`` (by shape: e.g. DeepSeek-V3's ``kv_b_proj`` runs on all
+``ctx`` cached positions, more rows than the forward has tokens). A forward pre-hook on the wrapped model fills both
+in place from the per-sequence slots before every forward, prefill and decode alike (decode steps have one token per
+sequence), so new adapter mixes never recompile. When a batch has more than ``max_tokens`` tokens both buffers are
+reallocated (doubled until they fit) and re-registered everywhere: compiled graphs and CUDA graphs captured before then hold the old buffer, so size
 ``max_tokens`` for the largest batch (default 8192). Code that runs the wrapped model itself (CUDA-graph capture,
 :mod:`moe_lora_compile.graphs`) fills the buffer with ``set_token_lora_ids`` inside ``manual_token_lora_ids()``,
 where the hook stays out of the way.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Optional, Sequence
 
 import torch
@@ -43,6 +47,13 @@ class MultiLoRAModel(nn.Module):
 
     Build it with :func:`attach`. ``forward``/``generate`` take ``adapters=[name or None, ...]`` (one entry per
     sequence; ``None`` = base model; omitted = base model for all).
+
+    Threads: one forward runs at a time. The adapter ids of a call live in shared buffers, so ``forward``,
+    ``generate``, ``load_adapter``/``unload_adapter`` (the slot write) and :meth:`manual_token_lora_ids` hold one
+    re-entrant lock, ``self.lock``, from writing the ids to the end of the model run: concurrent calls from several
+    threads are serialized (each gets exactly the result it would get alone), and a hot swap waits for the running
+    forward, which sees exactly one version of the adapter. Calling ``self.model`` directly bypasses the lock (and
+    the ids): take ``self.lock`` yourself, as :mod:`moe_lora_compile.graphs` does.
     """
 
     def __init__(self, model: nn.Module, family: Family, *, max_loras: int, max_rank: int, max_tokens: int,
@@ -54,6 +65,10 @@ class MultiLoRAModel(nn.Module):
         device = next(model.parameters()).device
         self.register_buffer("token_lora_ids", torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int32,
                                                           device=device), persistent=False)
+        # one slot per sequence: dense LoRA inputs with a batch dim map their rows to sequences by shape
+        self.register_buffer("sequence_lora_ids", torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int32,
+                                                             device=device), persistent=False)
+        self.lock = threading.RLock()  # held across "write ids, run the model" and across adapter loads
         self._sequence_slots = torch.full((1,), NO_ADAPTER, dtype=torch.int32)
         self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
         experts = self._attach_experts(use_ops)
@@ -89,7 +104,8 @@ class MultiLoRAModel(nn.Module):
         linears = {}
         for name, linear in find_dense_targets(self.model, self.family, target_modules).items():
             wrapped = LoRALinear(linear, max_loras=self.max_loras, max_rank=self.max_rank,
-                                 token_lora_ids=self.token_lora_ids, use_ops=use_ops)
+                                 token_lora_ids=self.token_lora_ids, sequence_lora_ids=self.sequence_lora_ids,
+                                 use_ops=use_ops)
             _set_submodule(self.model, name, wrapped)
             linears[name] = wrapped
         return linears
@@ -106,9 +122,14 @@ class MultiLoRAModel(nn.Module):
         # nn.Module.to() converts each module's copy of the shared buffer separately: re-share ours afterwards.
         result = super()._apply(fn, recurse)
         if hasattr(self, "slots"):
-            for module in self._lora_modules():
-                module.token_lora_ids = self.token_lora_ids
+            self._share_id_buffers()
         return result
+
+    def _share_id_buffers(self) -> None:
+        for module in self._lora_modules():
+            module.token_lora_ids = self.token_lora_ids
+        for module in self.slots.linear_modules.values():
+            module.sequence_lora_ids = self.sequence_lora_ids
 
     # --- adapters --------------------------------------------------------------------------------------------
     @property
@@ -138,12 +159,21 @@ class MultiLoRAModel(nn.Module):
                                     max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
                                     model_type=getattr(self.model.config, "model_type", None),
                                     model_module=type(self.model).__module__)
-        self.slots.write(name, slot, weights)
+        with self.lock:  # waits for a running forward: a hot swap never lands in the middle of one
+            if name in self.slots.names:
+                slot = self.slots.slot_of(name)
+                if not replace:
+                    raise ValueError(f"name: adapter {name!r} is already loaded in slot {slot}; "
+                                     f"pass replace=True to hot-swap it")
+            elif slot in self.slots.names.values():  # another thread took the free slot meanwhile
+                slot = self.slots.free_slot()
+            self.slots.write(name, slot, weights)
         return slot
 
     def unload_adapter(self, name: str) -> None:
-        """Zero the slot of ``name`` and free it; KeyError if not loaded."""
-        self.slots.clear(name)
+        """Zero the slot of ``name`` and free it; KeyError if not loaded. Waits for a running forward."""
+        with self.lock:
+            self.slots.clear(name)
 
     # --- running ---------------------------------------------------------------------------------------------
     def _slots_of(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> list[int]:
@@ -162,7 +192,8 @@ class MultiLoRAModel(nn.Module):
     @torch.no_grad()
     def set_token_lora_ids(self, adapters: Optional[Sequence[Optional[str]]], seq_len: int, *,
                            batch_size: Optional[int] = None) -> Tensor:
-        """Write ``token_lora_ids[:batch_size * seq_len]`` in place (one host-to-device copy) and return that view.
+        """Write ``token_lora_ids[:batch_size * seq_len]`` and ``sequence_lora_ids[:batch_size]`` in place (host-to-device
+        copies) and return the token view.
 
         Sequence ``b < len(adapters)`` gets ``adapters[b]``'s slot on each of its ``seq_len`` tokens (row-major, as
         the model flattens ``[B, S]``); padding sequences ``len(adapters) <= b < batch_size`` get ``-1``.
@@ -182,9 +213,10 @@ class MultiLoRAModel(nn.Module):
         if num_tokens > self.token_lora_ids.numel():
             raise ValueError(f"seq_len: {batch_size} x {seq_len} tokens exceed token_lora_ids "
                              f"({self.token_lora_ids.numel()}); attach with a larger max_tokens")
-        ids = torch.tensor(slots, dtype=torch.int32).repeat_interleave(seq_len)
+        per_sequence = torch.tensor(slots, dtype=torch.int32)
+        self.sequence_lora_ids[:batch_size].copy_(per_sequence)
         view = self.token_lora_ids[:num_tokens]
-        view.copy_(ids)
+        view.copy_(per_sequence.repeat_interleave(seq_len))
         return view
 
     @contextlib.contextmanager
@@ -192,14 +224,16 @@ class MultiLoRAModel(nn.Module):
         """Within this context the forward pre-hook leaves ``token_lora_ids`` alone: the caller fills it (e.g. with
         :meth:`set_token_lora_ids`) before calling ``self.model`` directly. Needed while capturing CUDA graphs,
         where the hook's host-to-device copy must not be recorded."""
-        previous, self._manual_ids = self._manual_ids, True
-        try:
-            yield self
-        finally:
-            self._manual_ids = previous
+        with self.lock:
+            previous, self._manual_ids = self._manual_ids, True
+            try:
+                yield self
+            finally:
+                self._manual_ids = previous
 
     def _fill_token_lora_ids(self, module, args, kwargs):
-        """Forward pre-hook: ``token_lora_ids[:B*S]`` <- each sequence's slot, repeated over its S tokens."""
+        """Forward pre-hook: ``sequence_lora_ids[:B]`` <- each sequence's slot; ``token_lora_ids[:B*S]`` <- the same,
+        repeated over its S tokens."""
         if self._manual_ids:
             return
         tokens = kwargs.get("inputs_embeds")
@@ -214,16 +248,18 @@ class MultiLoRAModel(nn.Module):
         num_tokens = batch * seq_len
         if num_tokens > self.token_lora_ids.numel():
             self._grow(num_tokens)
-        ids = per_sequence.to(self.token_lora_ids.device).repeat_interleave(seq_len)
-        self.token_lora_ids[:num_tokens].copy_(ids)
+        per_sequence = per_sequence.to(self.token_lora_ids.device)
+        self.sequence_lora_ids[:batch].copy_(per_sequence)
+        self.token_lora_ids[:num_tokens].copy_(per_sequence.repeat_interleave(seq_len))
 
     def _grow(self, num_tokens: int) -> None:
         size = self.token_lora_ids.numel()
         while size < num_tokens:
             size *= 2
-        self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=self.token_lora_ids.device)
-        for module in self._lora_modules():
-            module.token_lora_ids = self.token_lora_ids
+        device = self.token_lora_ids.device
+        self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
+        self.sequence_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
+        self._share_id_buffers()
 
     def _batch_size(self, input_ids: Optional[Tensor], kwargs: dict) -> int:
         tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
@@ -235,15 +271,17 @@ class MultiLoRAModel(nn.Module):
                 **kwargs):
         """The wrapped model's forward (``input_ids [B,S]`` -> its output, e.g. ``.logits [B,S,V]``) with
         ``adapters[b]`` applied to sequence ``b``."""
-        self._select(adapters, self._batch_size(input_ids, kwargs))
-        return self.model(input_ids=input_ids, **kwargs)
+        with self.lock:
+            self._select(adapters, self._batch_size(input_ids, kwargs))
+            return self.model(input_ids=input_ids, **kwargs)
 
     @torch.no_grad()
     def generate(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
                  **kwargs):
         """``model.generate`` (KV cache as usual) with ``adapters[b]`` applied to sequence ``b`` at every step."""
-        self._select(adapters, self._batch_size(input_ids, kwargs))
-        return self.model.generate(input_ids=input_ids, **kwargs)
+        with self.lock:
+            self._select(adapters, self._batch_size(input_ids, kwargs))
+            return self.model.generate(input_ids=input_ids, **kwargs)
 
 
 def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,

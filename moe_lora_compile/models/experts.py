@@ -41,8 +41,11 @@ def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routin
     experts.moe_lora_layout = layout
     experts.moe_lora_activation = activation
     experts.moe_lora_routing_on_input = routing_weight_on_input
-    experts.moe_lora_alpha = float(getattr(experts, "alpha", GPTOSS_ALPHA))
-    experts.moe_lora_limit = float(getattr(experts, "limit", GPTOSS_LIMIT))
+    # (alpha, limit) as one tuple attribute, not two float attributes: under torch.compile(dynamic=True) Dynamo
+    # turns a float attribute into a SymFloat graph input (the pass then cannot read the constant, and the op's float
+    # attributes would get a SymFloat), while the elements of a tuple attribute stay Python constants (guarded).
+    experts.moe_lora_activation_constants = (float(getattr(experts, "alpha", GPTOSS_ALPHA)),
+                                             float(getattr(experts, "limit", GPTOSS_LIMIT)))
     experts.moe_lora_use_ops = use_ops
 
 
@@ -55,11 +58,12 @@ def moe_lora_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index
     w13_bias = self.gate_up_proj_bias if has_bias else None
     w2_bias = self.down_proj_bias if has_bias else None
     fn = torch.ops.moe_lora.fused_moe_lora if self.moe_lora_use_ops else fused_moe_lora_reference
+    alpha, limit = self.moe_lora_activation_constants
     return fn(
         hidden_states, top_k_index, top_k_weights, token_lora_ids, self.gate_up_proj, self.down_proj,
         self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, w13_bias=w13_bias, w2_bias=w2_bias,
-        layout=self.moe_lora_layout, activation=self.moe_lora_activation, alpha=self.moe_lora_alpha,
-        limit=self.moe_lora_limit, routing_weight_on_input=self.moe_lora_routing_on_input,
+        layout=self.moe_lora_layout, activation=self.moe_lora_activation, alpha=alpha,
+        limit=limit, routing_weight_on_input=self.moe_lora_routing_on_input,
     )
 
 

@@ -314,7 +314,7 @@ def test_unload_zeroes_the_slot_and_frees_it(mm, adapters):
     mm.unload_adapter("x")
     assert mm.adapters == {"y": 1}
     for module in list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values()):
-        assert all(not buf[0].any() for name, buf in module.named_buffers(recurse=False) if name != "token_lora_ids")
+        assert all(not buf[0].any() for name, buf in module.named_buffers(recurse=False) if name not in ("token_lora_ids", "sequence_lora_ids"))
     with pytest.raises(KeyError, match="unknown adapter 'x'"):
         mm(ids, adapters=["x"])
     assert mm.load_adapter("z", adapters["paths"]["x"]) == 0
