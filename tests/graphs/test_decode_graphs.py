@@ -248,6 +248,55 @@ def test_hot_swap_changes_exactly_the_rows_of_that_adapter(setup):
         mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha"), replace=True)
 
 
+# --- compiled steps -----------------------------------------------------------------------------------------------
+def _decode_graph_count() -> int:
+    """Compiled graphs Dynamo holds for the decode step (its cache entries on ``_decode_forward``)."""
+    from moe_lora_compile.graphs.decode import _decode_forward
+
+    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(_decode_forward.__code__))
+
+
+def test_compiled_steps_equal_eager_one_graph_per_bucket_no_recompiles(setup):
+    """compile=True: each bucket's step is compiled once, in capture(); its logits equal the eager model's; a new
+    adapter mix, a smaller batch in the same bucket and a hot swap reuse the graphs."""
+    mm, prompt = setup.model, setup.input_ids
+    torch._dynamo.reset()
+    lines = []
+    graphs = DecodeGraphs(mm, batch_sizes=(2, 4), max_cache_len=32, capture=False, compile=True,
+                          log=lines.append).capture()
+    assert _decode_graph_count() == 2 and sum("compiling decode step" in line for line in lines) == 2
+
+    def check(adapters, prompt, steps=2):
+        state, last = graphs.prefill(prompt, adapters=adapters)
+        torch.testing.assert_close(last, _eager_logits(mm, prompt, adapters)[:, -1], atol=ATOL, rtol=0)
+        seq = prompt
+        for i in range(steps):
+            token = _tokens((len(adapters), 1), seed=10 + i)
+            logits = graphs.step(state, token)
+            seq = torch.cat([seq, token], 1)
+            torch.testing.assert_close(logits[:, 0], _eager_logits(mm, seq, adapters)[:, -1], atol=ATOL, rtol=0)
+
+    check(MIXED, prompt)  # bucket 4, a padding row
+    check(["gamma", None, "beta", "alpha"], torch.cat([prompt, prompt[:1]]))  # bucket 4, another mix
+    check(["beta"], prompt[:1])  # bucket 2, one padding row
+    try:
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "gamma"), replace=True)
+        check(["alpha", None], prompt[:2])
+    finally:
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha"), replace=True)
+    assert _decode_graph_count() == 2  # nothing recompiled
+    torch._dynamo.reset()
+
+
+def test_compile_option_errors(setup):
+    with pytest.raises(ValueError, match="reduce-overhead"):
+        DecodeGraphs(setup.model, batch_sizes=(2,), capture=False, compile={"mode": "reduce-overhead"})
+    with pytest.raises(ValueError, match="dynamic"):
+        DecodeGraphs(setup.model, batch_sizes=(2,), capture=False, compile={"dynamic": True})
+    with pytest.raises(TypeError, match="compile"):
+        DecodeGraphs(setup.model, batch_sizes=(2,), capture=False, compile="yes")
+
+
 # --- GPU: captured graphs ----------------------------------------------------------------------------------------
 def _gpu_setup(tmp_path, dtype, family=FAMILY):
     """build()'s tiny model and adapters on CUDA, attached again with use_ops=True (the Triton kernels)."""
@@ -268,14 +317,19 @@ def _tolerance(dtype):
     "gpt_oss",    # eager attention (its mask needs ScalarsWithoutHostCopies on transformers < 5.24), sliding window
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_replay_equals_eager_new_mix_and_hot_swap_without_recapture(tmp_path, dtype, family):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_step", "compiled_step"])
+def test_gpu_replay_equals_eager_new_mix_and_hot_swap_without_recapture(tmp_path, dtype, family, compiled):
     s, mm = _gpu_setup(tmp_path, dtype, family)
     prompt = s.input_ids
     lines = []
-    graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=64, log=lines.append)
+    torch._dynamo.reset()
+    graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=64, log=lines.append, compile=compiled)
     assert graphs.use_graphs
     graphs.capture()
-    assert graphs.num_captures == 4 and len(lines) == 5 and lines[0].startswith("capturing decode graph 1/4: batch 8")
+    captures = [line for line in lines if line.startswith("capturing")]
+    assert graphs.num_captures == 4 and len(captures) == 4 and "graph 1/4: batch 8" in captures[0]
+    if compiled:
+        assert _decode_graph_count() == 4  # one static graph per bucket, all compiled during capture()
     tol = _tolerance(dtype)
 
     def check(adapters, prompt, steps=3):
@@ -297,16 +351,21 @@ def test_gpu_replay_equals_eager_new_mix_and_hot_swap_without_recapture(tmp_path
     assert (after[0] - before[0]).abs().max() > 1e-3
     torch.testing.assert_close(after[1], before[1], **tol)  # beta's row: untouched
     assert graphs.num_captures == 4  # nothing was recaptured
+    if compiled:
+        assert _decode_graph_count() == 4  # nor recompiled
     if dtype == torch.float32:  # greedy tokens: the same as the eager model's generate
         out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
         assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False))
 
 
 @pytest.mark.gpu
-def test_gpu_speculative_replay_equals_eager(tmp_path):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_step", "compiled_step"])
+def test_gpu_speculative_replay_equals_eager(tmp_path, compiled):
     s, mm = _gpu_setup(tmp_path, torch.float32)
     prompt = s.input_ids
-    graphs = DecodeGraphs(mm, batch_sizes=(2, 4), max_cache_len=64, num_speculative_tokens=2, log=None).capture()
+    torch._dynamo.reset()
+    graphs = DecodeGraphs(mm, batch_sizes=(2, 4), max_cache_len=64, num_speculative_tokens=2, log=None,
+                          compile=compiled).capture()
     assert graphs.num_captures == 2
     state, _ = graphs.prefill(prompt, adapters=MIXED)
     first = _tokens((3, 3), seed=1).cuda()
