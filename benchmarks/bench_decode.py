@@ -282,8 +282,21 @@ def profile_step(graphs: DecodeGraphs, input_ids, adapters, model, steps: int = 
 # --------------------------------------------------------------------------------------------------------------
 
 
-def run_model(name: str, args, device, dtype, bandwidth: float) -> list[dict]:
-    rows = []
+class Rows(list):
+    """Result rows, written to ``--json`` after every one (a run cut short by a time limit keeps what it measured)."""
+
+    def __init__(self, path, env):
+        super().__init__()
+        self.path, self.env = path, env
+
+    def append(self, row):
+        super().append(row)
+        if self.path:
+            with open(self.path, "w") as f:
+                json.dump(dict(env=self.env, rows=list(self)), f, indent=1)
+
+
+def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> None:
     tiny = args.tiny
     t0 = time.perf_counter()
     model = build_model(name, device, dtype, tiny)
@@ -395,7 +408,6 @@ def run_model(name: str, args, device, dtype, bandwidth: float) -> list[dict]:
     torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -453,6 +465,7 @@ def rows_prompt(rows):
 
 
 def main(argv=None) -> int:
+    warnings.filterwarnings("ignore", message=".*Online softmax is disabled.*")
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(DECODE_MODELS), choices=list(DECODE_MODELS) + ["qwen3_moe",
                                                                                                        "gpt_oss"])
@@ -489,12 +502,9 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     log(f"env: {env}")
-    rows = []
+    rows = Rows(args.json, env)
     for name in args.models:
-        rows += run_model(name, args, device, dtype, bandwidth)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(env=env, rows=rows), f, indent=1)
+        run_model(name, args, device, dtype, bandwidth, rows)
     md = to_markdown(rows)
     print(md)
     if args.md:

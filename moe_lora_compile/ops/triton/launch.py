@@ -218,20 +218,20 @@ def _num_sms(device: torch.device) -> int:
 
 def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> dict:
     """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: column
-    tiles are made narrow enough (64 -> 32 -> 16) that there are at least as many programs as SMs, since at
-    BLOCK_N = 64 a [512, 2880] k/v projection has 8 programs for 132 SMs. The per-token shrink splits K so that
-    the batch's programs fill the SMs about twice."""
+    tiles of 64 where that gives >= 40 programs, else narrower (32, 16), and K steps of 256; from a sweep on the
+    H200 (2026-12-03, ``benchmarks/bench_lora_linear.py --configs``): q [4096, 2880] at T=1 19.4 us with 64-wide tiles
+    against 22.7 us with 16-wide ones, k/v [512, 2880] best at 16. The per-token shrink splits K so that the batch's
+    programs fill the SMs about twice."""
     small = T <= 64
     block_m = 16 if small else 64
     grid_m = triton.cdiv(T, block_m)
     block_n = 64
     if small:
-        while block_n > 16 and grid_m * triton.cdiv(n_out, block_n) < num_sms:
+        while block_n > 16 and grid_m * triton.cdiv(n_out, block_n) < 40:
             block_n //= 2
-    block_k = 128 if not small or block_n == 64 else 256
     rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
     return {"BLOCK_M": block_m,
-            "gemm": {"BLOCK_N": block_n, "BLOCK_K": block_k if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
+            "gemm": {"BLOCK_N": block_n, "BLOCK_K": 256 if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
                      "num_stages": 4 if small else 3},
             "shrink": {"BLOCK_K": 128 if small else 64, "SPLIT_K": rows_split if small else 1, "num_warps": 4,
                        "num_stages": 2, "per_token": small}}
