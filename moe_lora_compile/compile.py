@@ -5,10 +5,12 @@ and, inside vLLM, :mod:`moe_lora_compile.passes.vllm`."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import functools
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import progress
 from .passes import MoELoRAPass
 
 _PASS_KEY = "post_grad_custom_post_pass"
@@ -58,6 +60,24 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
 
     if isinstance(model, MultiLoRAModel):
         # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph
-        model.model.forward = torch.compile(model.model.forward, **kwargs)
+        model.model.forward = _announce_first_call(torch.compile(model.model.forward, **kwargs))
         return model
     return torch.compile(model, **kwargs)
+
+
+def _announce_first_call(fn: Callable) -> Callable:
+    """``fn`` with a progress line around its first call (the compile), when progress lines are on
+    (:mod:`.progress`: stderr is a terminal, or ``MOE_LORA_PROGRESS=1``); ``fn`` itself otherwise."""
+    if not progress.enabled():
+        return fn
+    pending = [True]
+
+    @functools.wraps(fn)
+    def first_call_announced(*args, **kwargs):
+        if pending:
+            pending.clear()
+            with progress.step("compiling the model (first call; 10-40 s for a tiny model on a CPU)"):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return first_call_announced
