@@ -14,6 +14,7 @@ from . import progress
 from .passes import MoELoRAPass
 
 _PASS_KEY = "post_grad_custom_post_pass"
+_ORIGINAL_FORWARD = "_moe_lora_uncompiled_forward"  # on a MultiLoRAModel's inner model, once compile() ran
 
 
 @contextlib.contextmanager
@@ -59,8 +60,12 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
     from .models import MultiLoRAModel
 
     if isinstance(model, MultiLoRAModel):
-        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph
-        model.model.forward = _announce_first_call(torch.compile(model.model.forward, **kwargs))
+        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph. Compiling again
+        # replaces the earlier compile (from the model's own forward), rather than compiling a compiled function.
+        inner = model.model
+        original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
+        inner.__dict__[_ORIGINAL_FORWARD] = original
+        inner.forward = _announce_first_call(torch.compile(original, **kwargs))
         return model
     return torch.compile(model, **kwargs)
 
