@@ -63,7 +63,8 @@ def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, 
     family = canonical_family(family)
     progress.say(f"building a tiny random {family} model and three PEFT adapters")
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(tiny_config(family, **(config_overrides or {}))).eval().to(device=device, dtype=dtype)
+    config = tiny_config(family, **(config_overrides or {}))
+    base = AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=dtype)
     model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank)
     for seed, (name, rank) in enumerate(zip(ADAPTERS, ADAPTER_RANKS)):
         with warnings.catch_warnings():  # PEFT 0.21 calls a property transformers 5.x deprecated; not ours
