@@ -1,11 +1,16 @@
 """Decode a mixed-adapter batch with one CUDA-graph replay per step, then speculative decoding, then a hot swap.
 
-    python examples/cuda_graph_decode.py [--family qwen3_moe] [--dtype bfloat16] [--max-new-tokens 32]
+    python examples/cuda_graph_decode.py [--family qwen3_moe] [--dtype bfloat16] [--max-new-tokens 16]
+        [--sliding-window N]
 
 Builds the demo's tiny random MoE model with three PEFT adapters (``python -m moe_lora_compile demo``), attaches it
 with ``use_ops=True`` (the Triton kernels on a GPU), captures decode graphs for batch buckets 1, 2, 4 and 8, and
 checks greedy generation against ``mm.generate``. Without CUDA it says so and runs the same static-buffer steps
 eagerly (``capture=False``).
+
+GPT-OSS has sliding-window attention; the tiny config's window defaults to prompt + 3 x new tokens here, so the
+speculative run stays inside it. ``--sliding-window 16`` shows the documented limit instead: once a context is
+longer than the window, speculative decoding can differ from greedy (the example then reports a mismatch there).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 import torch
 
 from moe_lora_compile.__main__ import ADAPTERS, build
+from moe_lora_compile.family_names import describe_choices, family_arg
 from moe_lora_compile.graphs import DecodeGraphs
 from moe_lora_compile.models import attach
 
@@ -35,25 +41,35 @@ def _timed(fn):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="qwen3_moe")
+    parser.add_argument("--family", default="qwen3_moe", type=family_arg, metavar="F",
+                        help=f"model family (default qwen3_moe): {describe_choices()}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--sliding-window", type=int, default=None,
+                        help="GPT-OSS's window in the tiny config (default: prompt + 3 x new tokens, enough for "
+                             "speculative decoding with 2 drafts; 16 shows the documented limit)")
     args = parser.parse_args(argv)
+    prompt_len, n_drafts = 8, 2
+    overrides = {}
+    if args.family == "gpt_oss":
+        overrides["sliding_window"] = args.sliding_window or prompt_len + (1 + n_drafts) * args.max_new_tokens
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         print("no CUDA device: running the decode steps eagerly (capture=False), same buffers and logic, no graphs")
     with tempfile.TemporaryDirectory() as workdir:
-        setup = build(args.family, dtype=getattr(torch, args.dtype), device=device, batch=3, seq_len=8,
-                      workdir=workdir)
+        setup = build(args.family, dtype=getattr(torch, args.dtype), device=device, batch=3, seq_len=prompt_len,
+                      workdir=workdir, config_overrides=overrides)
+        if overrides:
+            print(f"tiny {args.family}: sliding window {overrides['sliding_window']} tokens")
         mm = attach(copy.deepcopy(setup.base), max_loras=4, max_rank=8, use_ops=cuda)
         for name in ADAPTERS:
             mm.load_adapter(name, f"{workdir}/{name}")
         prompt, adapters = setup.input_ids, ["alpha", None, "gamma"]
         n = args.max_new_tokens
 
-        graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=8 + 3 * n, capture=cuda)
+        graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=prompt_len + 3 * n, capture=cuda)
         graphs.capture()
         ours, t_graphs = _timed(lambda: graphs.generate(prompt, adapters=adapters, max_new_tokens=n))
         ours, t_graphs = _timed(lambda: graphs.generate(prompt, adapters=adapters, max_new_tokens=n))
@@ -67,9 +83,10 @@ def main(argv=None) -> int:
 
         # speculative decoding: 2 draft tokens per step from a toy drafter (repeat the last token); the verify step
         # keeps what greedy decoding agrees with, so the tokens are the same whatever the drafts
-        spec = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=8 + 3 * n, num_speculative_tokens=2, capture=cuda)
+        spec = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=prompt_len + 3 * n, num_speculative_tokens=n_drafts,
+                            capture=cuda)
         spec.capture()
-        drafter = lambda seqs: torch.stack([s[-1:].repeat(2) for s in seqs])
+        drafter = lambda seqs: torch.stack([s[-1:].repeat(n_drafts) for s in seqs])
         spec_out = spec.generate(prompt, adapters=adapters, max_new_tokens=n, draft=drafter)
         print(f"  speculative (k=2, repeat-last drafter): tokens identical: {torch.equal(spec_out, theirs)}")
 

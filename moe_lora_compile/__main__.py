@@ -5,6 +5,10 @@
   a short report (graphs, graph breaks, recompiles, fused ops, tokens/s). On a GPU the fused ops run the Triton
   kernels; on the CPU their reference impls.
 - ``dump``: the same model compiled under ``depyf.prepare_debug(folder)``; prints where the fused ops are.
+
+Arguments are parsed before torch is imported (``--help`` answers at once); the reports go to stdout, progress
+lines for the slow steps to stderr (when it is a terminal, or with ``--verbose``); a bad argument or a missing CUDA
+device is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -17,11 +21,17 @@ import sys
 import tempfile
 import time
 import warnings
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import torch
+from . import progress
+from .family_names import canonical_family, describe_choices, family_arg
 
-from .compile import pass_runs
+if TYPE_CHECKING:
+    import torch
+
+DESCRIPTION = ("Try moe_lora_compile on a tiny random MoE model: 'demo' compiles it with three PEFT adapters and "
+               "checks a mixed batch against eager; 'dump' writes a depyf dump of the compiled model and says where "
+               "the fused ops landed.")
 
 ADAPTERS = ("alpha", "beta", "gamma")
 ADAPTER_RANKS = (4, 8, 2)  # different ranks: the slots pad each to max_rank
@@ -38,16 +48,23 @@ class Setup:
 
 
 def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, seq_len: int,
-          workdir: str, max_rank: int = 8) -> Setup:
-    """Tiny ``family`` model, three PEFT adapters saved to ``workdir`` and loaded into an attached model."""
+          workdir: str, max_rank: int = 8, config_overrides: Optional[dict] = None) -> Setup:
+    """Tiny ``family`` model, three PEFT adapters saved to ``workdir`` and loaded into an attached model.
+
+    ``family``: a short name or a model_type (``llama4`` or ``llama4_text``); ``config_overrides`` go to
+    :func:`~moe_lora_compile.models.tiny.tiny_config` (e.g. ``sliding_window``)."""
+    import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from .models import attach
     from .models.tiny import randomize_lora_, tiny_config, tiny_lora_config
 
+    family = canonical_family(family)
+    progress.say(f"building a tiny random {family} model and three PEFT adapters")
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(tiny_config(family)).eval().to(device=device, dtype=dtype)
+    config = tiny_config(family, **(config_overrides or {}))
+    base = AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=dtype)
     model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank)
     for seed, (name, rank) in enumerate(zip(ADAPTERS, ADAPTER_RANKS)):
         with warnings.catch_warnings():  # PEFT 0.21 calls a property transformers 5.x deprecated; not ours
@@ -64,6 +81,8 @@ def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, 
 
 
 def _compile(setup: Setup):
+    import torch
+
     from .compile import compile as compile_model
     from .passes import MoELoRAPass
 
@@ -74,12 +93,16 @@ def _compile(setup: Setup):
 
 
 def _logits(setup: Setup, input_ids=None, adapters=None) -> torch.Tensor:
+    import torch
+
     with torch.no_grad():
         return setup.model(setup.input_ids if input_ids is None else input_ids,
                            adapters=setup.adapters if adapters is None else adapters, use_cache=False).logits
 
 
 def _tokens_per_s(fn, tokens: int, repeats: int = 3) -> float:
+    import torch
+
     fn()  # warm
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -92,6 +115,8 @@ def _tokens_per_s(fn, tokens: int, repeats: int = 3) -> float:
 
 
 def _dynamo_counts() -> tuple[int, int]:
+    import torch
+
     counters = torch._dynamo.utils.counters
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
@@ -99,6 +124,11 @@ def _dynamo_counts() -> tuple[int, int]:
 def run_demo(family: str = "qwen3_moe", *, dtype: str = "float32", device: Optional[str] = None, batch: int = 4,
              seq_len: int = 8, workdir: Optional[str] = None, out=None) -> dict:
     """The demo; prints the report to ``out`` and returns it as a dict."""
+    import torch
+
+    from .compile import pass_runs
+
+    family = canonical_family(family)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,11 +139,12 @@ def run_demo(family: str = "qwen3_moe", *, dtype: str = "float32", device: Optio
         torch._dynamo.utils.counters.clear()
         custom_pass = _compile(setup)
         t0 = time.perf_counter()
-        with pass_runs():  # a cache hit would skip the pass and its counts
+        with pass_runs():  # a cache hit would skip the pass and its counts; compile() announces the compile
             compiled = _logits(setup)
         compile_s = time.perf_counter() - t0
         graphs, breaks = _dynamo_counts()
         # what must not recompile: another adapter mix, a hot-swapped adapter, another batch size
+        progress.say("checking for recompiles (other adapter mix, hot swap, smaller batch) and timing")
         _logits(setup, adapters=list(reversed(setup.adapters)))
         setup.model.load_adapter(ADAPTERS[0], os.path.join(workdir or tmp, ADAPTERS[1]), replace=True)
         _logits(setup)
@@ -150,34 +181,76 @@ def _format(r: dict) -> str:
 def run_dump(folder: str, family: str = "qwen3_moe", *, dtype: str = "float32", device: Optional[str] = None,
              out=None):
     """Compile the demo model under depyf and print where the fused ops are; returns the DumpReport."""
+    import torch
+
     from .inspect import dump_graphs
 
+    family = canonical_family(family)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with tempfile.TemporaryDirectory() as tmp:
         setup = build(family, dtype=getattr(torch, dtype), device=device, batch=2, seq_len=8, workdir=tmp)
         _compile(setup)
-        report = dump_graphs(lambda: _logits(setup), (), folder)
+        progress.say(f"writing a depyf dump into {folder}")
+        report = dump_graphs(lambda: _logits(setup), (), folder)  # compile() announces the compile
     print(report.summary(), file=out or sys.stdout)
     return report
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .models.tiny import TINY_FAMILIES
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr (exit code 2), without the usage block."""
 
-    parser = argparse.ArgumentParser(prog="moe-lora-compile", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="moe-lora-compile", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,dump}")
     for name, help_text in (("demo", "compile a tiny MoE model with three PEFT adapters and check it"),
                             ("dump", "write a depyf dump of the compiled demo model")):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("--family", default="qwen3_moe", choices=TINY_FAMILIES)
-        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--family", default="qwen3_moe", type=family_arg, metavar="F",
+                       help=f"model family (default qwen3_moe): {describe_choices()}")
+        p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                       help="model and adapter dtype (default float32; the check's tolerance follows it)")
         p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+        p.add_argument("--verbose", action="store_true",
+                       help="progress lines on stderr even when it is not a terminal (MOE_LORA_PROGRESS=1)")
         if name == "demo":
-            p.add_argument("--batch", type=int, default=4)
-            p.add_argument("--seq-len", type=int, default=8)
+            p.add_argument("--batch", type=int, default=4,
+                           help="sequences in the mixed batch, adapters assigned round-robin (default 4)")
+            p.add_argument("--seq-len", type=int, default=8, help="tokens per sequence (default 8)")
         else:
-            p.add_argument("folder", help="where depyf writes the dump")
-    args = parser.parse_args(argv)
+            p.add_argument("folder", help="where depyf writes the dump (only files written by this run count)")
+    return parser
+
+
+def _device_error(device: Optional[str]) -> Optional[str]:
+    """Why ``device`` cannot be used here (one line), or None."""
+    import torch
+
+    try:
+        dev = torch.device(device or "cpu")
+    except RuntimeError as error:
+        return f"--device {device!r}: {error}"
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+        return f"--device {device}: CUDA is not available ({build}); run without --device to use the CPU"
+    return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)  # before torch loads: --help and bad arguments answer at once
+    if args.verbose:
+        os.environ["MOE_LORA_PROGRESS"] = "1"
+    problem = _device_error(args.device)
+    if problem:
+        print(f"moe-lora-compile {args.command}: error: {problem}", file=sys.stderr)
+        return 2
+    with progress.step("loading torch, transformers and peft"):
+        import moe_lora_compile
+
+        moe_lora_compile._load_all()  # registers torch.ops.moe_lora.* (deferred on the command line)
     if args.command == "demo":
         report = run_demo(args.family, dtype=args.dtype, device=args.device, batch=args.batch,
                           seq_len=args.seq_len)

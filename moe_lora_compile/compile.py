@@ -5,13 +5,16 @@ and, inside vLLM, :mod:`moe_lora_compile.passes.vllm`."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+import functools
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from . import progress
 from .passes import MoELoRAPass
 
 _PASS_KEY = "post_grad_custom_post_pass"
+_ORIGINAL_FORWARD = "_moe_lora_uncompiled_forward"  # on a MultiLoRAModel's inner model, once compile() ran
 
 
 @contextlib.contextmanager
@@ -57,7 +60,29 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
     from .models import MultiLoRAModel
 
     if isinstance(model, MultiLoRAModel):
-        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph
-        model.model.forward = torch.compile(model.model.forward, **kwargs)
+        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph. Compiling again
+        # replaces the earlier compile (from the model's own forward), rather than compiling a compiled function.
+        inner = model.model
+        original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
+        inner.__dict__[_ORIGINAL_FORWARD] = original
+        inner.forward = _announce_first_call(torch.compile(original, **kwargs))
         return model
     return torch.compile(model, **kwargs)
+
+
+def _announce_first_call(fn: Callable) -> Callable:
+    """``fn`` with a progress line around its first call (the compile), when progress lines are on
+    (:mod:`.progress`: stderr is a terminal, or ``MOE_LORA_PROGRESS=1``); ``fn`` itself otherwise."""
+    if not progress.enabled():
+        return fn
+    pending = [True]
+
+    @functools.wraps(fn)
+    def first_call_announced(*args, **kwargs):
+        if pending:
+            pending.clear()
+            with progress.step("compiling the model (first call; 10-40 s for a tiny model on a CPU)"):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return first_call_announced

@@ -26,9 +26,10 @@ class FusedOpSite:
 @dataclasses.dataclass
 class DumpReport:
     folder: str
-    files: list[str]
+    files: list[str]  # the files this dump wrote (older files in the folder are not counted)
     post_grad_files: list[str]
     sites: list[FusedOpSite]
+    recompiled: bool = False  # the model had compiled before: Dynamo's caches were reset to compile it again
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -39,15 +40,36 @@ class DumpReport:
     def summary(self) -> str:
         lines = [f"depyf dump in {self.folder}: {len(self.files)} files, "
                  f"{len(self.post_grad_files)} post-grad graph(s)"]
+        if self.recompiled:
+            lines.append("(the model had compiled before this call: torch.compiler.reset() cleared Dynamo's caches "
+                         "and it compiled again under depyf)")
+        if not self.post_grad_files:
+            lines.append("no post-grad graph was written: is the callable compiled with the Inductor backend "
+                         "(mlc.compile, or torch.compile with the default backend)?")
         counts = self.op_counts()
         lines.append("fused ops: " + (", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "none"))
         lines += [f"  {site}" for site in self.sites]
         return "\n".join(lines)
 
 
-def find_fused_ops(folder: str) -> DumpReport:
-    """Scan a depyf dump folder for ``torch.ops.moe_lora.*`` calls in the post-grad graphs."""
-    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py"))
+def _snapshot(folder: str) -> dict[str, tuple[int, int]]:
+    """``{path: (mtime_ns, size)}`` of the ``.py`` files in ``folder`` (empty if it does not exist)."""
+    if not os.path.isdir(folder):
+        return {}
+    out = {}
+    for name in os.listdir(folder):
+        if name.endswith(".py"):
+            st = os.stat(os.path.join(folder, name))
+            out[os.path.join(folder, name)] = (st.st_mtime_ns, st.st_size)
+    return out
+
+
+def find_fused_ops(folder: str, *, since: Optional[dict] = None) -> DumpReport:
+    """Scan a depyf dump folder for ``torch.ops.moe_lora.*`` calls in the post-grad graphs.
+
+    ``since``: a snapshot taken before the dump (``_snapshot``); files it lists unchanged are stale, not counted."""
+    since = since or {}
+    files = sorted(path for path, stamp in _snapshot(folder).items() if since.get(path) != stamp)
     post_grad = [f for f in files if "AFTER_POST_GRAD" in os.path.basename(f)]
     sites = []
     for path in post_grad:
@@ -61,13 +83,27 @@ def find_fused_ops(folder: str) -> DumpReport:
 def dump_graphs(compiled: Any, example_inputs: Sequence, folder: str, *,
                 example_kwargs: Optional[dict] = None) -> DumpReport:
     """Run ``compiled(*example_inputs, **example_kwargs)`` under ``depyf.prepare_debug(folder)`` and report where
-    the fused ops are. Call it for the first run of ``compiled`` (a graph compiled before is not dumped again);
-    the FX-graph and AOT caches are off meanwhile so the post-grad graph is really built and written."""
+    the fused ops are (only files this call writes count, not older ones in ``folder``). The FX-graph and AOT caches
+    are off meanwhile so the post-grad graph is really built and written.
+
+    Best called for the first run of ``compiled``. If it has run before with these inputs, Dynamo's cache answers
+    and nothing is traced; then ``torch.compiler.reset()`` clears Dynamo's caches (every compiled callable in the
+    process compiles again on its next call) and the call is repeated under depyf (``report.recompiled``)."""
     import depyf
 
     from .compile import pass_runs
 
     os.makedirs(folder, exist_ok=True)
+    report = _dump_once(depyf, pass_runs, compiled, example_inputs, example_kwargs, folder)
+    if not report.post_grad_files:
+        torch.compiler.reset()
+        report = _dump_once(depyf, pass_runs, compiled, example_inputs, example_kwargs, folder)
+        report.recompiled = True
+    return report
+
+
+def _dump_once(depyf, pass_runs, compiled, example_inputs, example_kwargs, folder) -> DumpReport:
+    before = _snapshot(folder)
     with pass_runs(), depyf.prepare_debug(folder):
         compiled(*example_inputs, **(example_kwargs or {}))
-    return find_fused_ops(folder)
+    return find_fused_ops(folder, since=before)

@@ -18,14 +18,21 @@ import argparse
 import copy
 import json
 import pathlib
+import sys
 import time
 
 import torch
-import triton
 
-from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
-from .ops.triton.launch import fused_moe_lora_triton
 from .shapes import MODELS, MoEGeometry
+
+try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main() says so in one line)
+    import triton
+
+    from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
+    from .ops.triton.launch import fused_moe_lora_triton
+except ImportError as _error:
+    triton = None
+    _TRITON_ERROR = str(_error)
 
 GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stages": ((4, 3), (4, 4), (8, 3), (4, 2)),
                 "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
@@ -137,6 +144,15 @@ def main(argv=None):
     p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS), metavar="GROUP",
                    help=f"coordinates to search, in order (default all: {' '.join(GROUPS)})")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
+        print(f"moe_lora_compile.tune: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not "
+              f"available ({build})", file=sys.stderr)
+        return 2
+    if triton is None:
+        print(f"moe_lora_compile.tune: error: triton is not installed ({_TRITON_ERROR}); "
+              "pip install 'triton>=3.6'", file=sys.stderr)
+        return 2
     g = MODELS[a.model]
     device = torch.device("cuda")
     name = device_name(device)
@@ -159,7 +175,8 @@ def main(argv=None):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,13 +6,15 @@ from __future__ import annotations
 _COMMON = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
 
-TINY_FAMILIES = ("qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "deepseek_v3", "olmoe", "llama4",
-                 "qwen3", "llama", "mistral", "qwen2")
+from ..family_names import FAMILY_CHOICES, TINY_FAMILIES, canonical_family  # noqa: F401 (re-exported)
 
 
 def tiny_config(family: str, **overrides):
-    """A transformers config of ``family`` (a name in :data:`TINY_FAMILIES`), tiny and random-init friendly."""
+    """A transformers config of ``family`` (a name in :data:`TINY_FAMILIES` or its model_type, e.g.
+    ``llama4_text``), tiny and random-init friendly."""
     import transformers as tf
+
+    family = canonical_family(family)
 
     c = dict(_COMMON)
     if family == "qwen3_moe":
@@ -47,7 +49,7 @@ def tiny_config(family: str, **overrides):
         cfg = tf.MistralConfig(**c, intermediate_size=48)
     elif family == "qwen2":
         cfg = tf.Qwen2Config(**c, intermediate_size=48)
-    else:
+    else:  # pragma: no cover - canonical_family refuses unknown names first
         raise ValueError(f"family must be one of {TINY_FAMILIES}, got {family!r}")
     for key, value in overrides.items():
         setattr(cfg, key, value)
@@ -72,8 +74,8 @@ def tiny_lora_config(family: str, **overrides):
 
     from .families import FAMILIES
 
-    model_type = {"llama4": "llama4_text"}.get(family, family)
-    fam = next(f for f in FAMILIES if model_type in f.model_types)
+    family = canonical_family(family)
+    fam = next(f for f in FAMILIES if f.name == family or family in f.model_types)
     kwargs = dict(r=4, lora_alpha=8, init_lora_weights=False,
                   target_modules=_PEFT_DENSE_TARGETS.get(family, ["q_proj", "v_proj", "o_proj"]))
     if fam.is_moe:

@@ -12,7 +12,8 @@ import os
 import torch
 
 from .reference import fused_moe_lora_reference, lora_linear_reference
-from .triton.launch import SUPPORTED_DTYPES, fused_moe_lora_triton, lora_linear_triton
+
+# Triton is imported on the first CUDA call, not with the package: CPU installs need no triton at all.
 
 
 def check_values_on_device() -> bool:
@@ -24,6 +25,8 @@ def check_values_on_device() -> bool:
 
 def _kernel_covers(x: torch.Tensor, *others) -> bool:
     """The kernels take one float dtype (fp32/fp16/bf16) for x, weights, biases and LoRA stacks."""
+    from .triton.launch import SUPPORTED_DTYPES
+
     return x.dtype in SUPPORTED_DTYPES and all(t is None or t.dtype == x.dtype for t in others)
 
 
@@ -33,6 +36,8 @@ def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
     if _kernel_covers(x, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2, kwargs.get("w13_bias"),
                       kwargs.get("w2_bias")):
+        from .triton.launch import fused_moe_lora_triton
+
         return fused_moe_lora_triton(*args, **kwargs)
     return fused_moe_lora_reference(*args, **kwargs)
 
@@ -40,5 +45,7 @@ def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora
 def lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, *, bias=None):
     """Same signature and result as :func:`.reference.lora_linear_reference`; y [T, out] in x.dtype."""
     if _kernel_covers(x, weight, lora_a, lora_b, bias):
+        from .triton.launch import lora_linear_triton
+
         return lora_linear_triton(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)
     return lora_linear_reference(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)

@@ -18,8 +18,12 @@ from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora
 ADAPTER_SETTINGS = {
     "plain": dict(r=4, lora_alpha=8),
     "rslora": dict(r=8, lora_alpha=16, use_rslora=True),
-    # rank_pattern: the down projections (experts' down_proj and dense down_proj) get their own rank and alpha
-    "patterns": dict(r=2, lora_alpha=4, rank_pattern={"down_proj": 6}, alpha_pattern={"down_proj": 3, "o_proj": 12}),
+    # rank_pattern / alpha_pattern (regular expressions, PEFT's suffix match): the output projections (experts'
+    # down_proj, dense down_proj where targeted, attention o_proj) get rank 6 and alpha 3, the value projection
+    # alpha 12. Every key names a targeted module (PEFT checks keys against modules only, so a key that matched
+    # only the experts' down_proj parameter would be reported as ignored although PEFT applies it).
+    "patterns": dict(r=2, lora_alpha=4, rank_pattern={"(down|o)_proj": 6},
+                     alpha_pattern={"(down|o)_proj": 3, "(v|kv_a)_proj(_with_mqa)?": 12}),
 }
 BATCH_ADAPTERS = ["plain", "rslora", None, "patterns"]
 

@@ -40,3 +40,20 @@ def test_dump_names_the_fused_ops(tmp_path):
     assert "fused_moe_lora x1" in report.summary() and "lora_linear x1" in report.summary()
     with torch.no_grad():
         torch.testing.assert_close(compiled(x, ids), model(x, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_dump_after_a_first_call_recompiles_and_ignores_stale_files(tmp_path):
+    """The README's order: call the compiled model, then dump it. Dynamo's cache would answer (nothing traced, an
+    empty dump): dump_graphs resets it and compiles again under depyf. Files already in the folder do not count."""
+    pytest.importorskip("depyf")
+    torch.manual_seed(0)
+    stale = tmp_path / "__compiled_fn_99.AFTER_POST_GRAD.0.py"
+    stale.write_text("x = torch.ops.moe_lora.lora_linear.default(a, b)\n")  # an earlier run's file
+    compiled = compile_model(OneLayer(), fullgraph=True)
+    x, ids = torch.randn(6, H), torch.tensor([0, -1, 2, 1, -1, 0], dtype=torch.int32)
+    compiled(x, ids)  # first call: compiled outside the dump
+    report = dump_graphs(compiled, (x, ids), str(tmp_path))
+    assert report.recompiled
+    assert report.op_counts() == {"fused_moe_lora": 1, "lora_linear": 1}
+    assert str(stale) not in report.files and len(report.post_grad_files) == 1
+    assert "compiled again under depyf" in report.summary()

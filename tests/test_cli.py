@@ -1,0 +1,101 @@
+"""The command line's contract: arguments parsed before torch loads, one-line errors with exit code 2 (bad family,
+no CUDA for ``--device cuda`` or the tuner), family names in both spellings from one table, triton only on the CUDA
+path, progress lines on stderr only when asked for or on a terminal."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, env=None, timeout=120):
+    import os
+
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=environment)
+
+
+def _one_error_line(result, *needles):
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr and all(n in lines[0] for n in needles), lines[0]
+
+
+def test_help_and_bad_family_answer_before_torch_loads():
+    help_run = _run("-X", "importtime", "-m", "moe_lora_compile", "demo", "--help")
+    assert help_run.returncode == 0 and "--seq-len" in help_run.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in help_run.stderr.splitlines() if "|" in line]
+    assert "torch" not in imported and "transformers" not in imported
+    for option in ("--dtype", "--batch", "--seq-len", "--family", "--verbose"):
+        assert option in help_run.stdout
+    assert "llama4 (or llama4_text)" in " ".join(help_run.stdout.split())
+    _one_error_line(_run("-m", "moe_lora_compile", "demo", "--family", "nope"), "unknown family 'nope'", "--family")
+    _one_error_line(_run("-m", "moe_lora_compile", "dump"), "folder")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_no_cuda_is_one_line_and_exit_2():
+    _one_error_line(_run("-m", "moe_lora_compile", "demo", "--device", "cuda"), "CUDA is not available")
+    _one_error_line(_run("-m", "moe_lora_compile.tune", "--model", "qwen3-30b-a3b", "--tokens", "1"),
+                    "CUDA is not available")
+
+
+def test_family_names_come_from_one_table():
+    from moe_lora_compile.__main__ import _parser
+    from moe_lora_compile.family_names import ALIASES, FAMILY_MODEL_TYPES, TINY_FAMILIES, canonical_family
+    from moe_lora_compile.models import FAMILIES
+    from moe_lora_compile.models.tiny import tiny_config
+
+    assert {f.name: f.model_types for f in FAMILIES} == FAMILY_MODEL_TYPES
+    assert ALIASES == {"llama4_text": "llama4"}
+    for name in TINY_FAMILIES:  # every short name builds a config whose model_type maps back to it
+        model_type = tiny_config(name).model_type
+        assert canonical_family(model_type) == name
+    assert tiny_config("llama4_text").model_type == "llama4_text"
+    assert _parser().parse_args(["demo", "--family", "llama4_text"]).family == "llama4"
+    with pytest.raises(ValueError, match="llama4 \\(or llama4_text\\)"):
+        canonical_family("llama5")
+
+
+def test_package_imports_and_runs_the_ops_without_triton():
+    """A CPU install without triton (it is in the `test`/`gpu` extras only): the package imports, registers the ops
+    and runs them; only the CUDA path imports triton."""
+    code = '''
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+sys.meta_path.insert(0, Block())
+import torch, moe_lora_compile as mlc
+x = torch.randn(3, 16)
+w, ids = torch.randn(3, 4).softmax(-1).topk(2)
+y = torch.ops.moe_lora.fused_moe_lora(x, ids, w, torch.tensor([0, -1, 1], dtype=torch.int32), torch.randn(4, 48, 16),
+    torch.randn(4, 16, 24), torch.randn(2, 4, 4, 16), torch.randn(2, 4, 48, 4), torch.randn(2, 4, 4, 24),
+    torch.randn(2, 4, 16, 4))
+assert y.shape == (3, 16) and "triton" not in sys.modules
+print("ok")
+'''
+    result = _run("-c", code, env={"TRITON_INTERPRET": "0"})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_progress_lines_go_to_stderr_only_when_on(capsys, monkeypatch):
+    from moe_lora_compile import progress
+
+    monkeypatch.setenv("MOE_LORA_PROGRESS", "1")
+    with progress.step("compiling"):
+        pass
+    captured = capsys.readouterr()
+    assert captured.out == "" and "moe_lora_compile: compiling ..." in captured.err
+    monkeypatch.delenv("MOE_LORA_PROGRESS")  # pytest's capture is not a terminal: quiet
+    progress.say("hidden")
+    assert capsys.readouterr().err == ""
