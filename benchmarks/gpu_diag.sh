@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The pass GPU tests with Dynamo's recompile log (which guard failed), uncaptured, into $OUT/recompiles.log.
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+TORCH_LOGS=recompiles timeout ${1:-100} python3 -m pytest -m gpu -q -s -p no:cacheprovider -p no:logging -rfE \
+  tests/passes/test_passes_gpu.py -k "bf16 or demo" > "$OUT/recompiles.log" 2>&1
+grep -E "passed|failed|triggered by|^ *- |Recompiling|^E " "$OUT/recompiles.log" | cut -c1-400 | head -40
