@@ -14,6 +14,11 @@ from . import progress
 from .passes import MoELoRAPass
 
 _PASS_KEY = "post_grad_custom_post_pass"
+# Inductor options compile() sets unless the caller does. shape_padding: Inductor's pad_mm pass asks whether a matmul
+# is compute-bound from its sizes, which with a dynamic token dimension becomes a guard on that size (seen on the
+# H200, bf16: "4 <= x.size()[0] <= 15 # pad_mm.py:292 in is_mm_compute_bound"), so a new batch size recompiles; the
+# matmuls it pads (routers, attention, lm_head at decode sizes) are memory-bound anyway.
+DEFAULT_INDUCTOR_OPTIONS = {"shape_padding": False}
 _ORIGINAL_FORWARD = "_moe_lora_uncompiled_forward"  # on a MultiLoRAModel's inner model, once compile() ran
 
 
@@ -30,9 +35,9 @@ def pass_runs() -> Iterator[None]:
 
 def inductor_options(options: Optional[dict] = None, mode: Optional[str] = None,
                      custom_pass: Optional[MoELoRAPass] = None) -> dict:
-    """Inductor ``options`` with the pass added (``mode``'s options folded in: ``torch.compile`` takes one of the
-    two). Refuses a different post-grad pass already in ``options``."""
-    options = dict(options or {})
+    """Inductor ``options`` with the pass added, :data:`DEFAULT_INDUCTOR_OPTIONS` under the caller's and ``mode``'s
+    options folded in (``torch.compile`` takes one of the two). Refuses a different post-grad pass in ``options``."""
+    options = {**DEFAULT_INDUCTOR_OPTIONS, **(options or {})}
     if mode is not None:
         options = {**torch._inductor.list_mode_options(mode), **options}
     existing = options.get(_PASS_KEY)

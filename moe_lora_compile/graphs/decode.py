@@ -201,6 +201,10 @@ class DecodeGraphs:
         if "dynamic" in options:
             raise ValueError("compile: 'dynamic' is chosen here (decode steps static per bucket, prefill dynamic)")
         if self.compiled:
+            from ..compile import DEFAULT_INDUCTOR_OPTIONS
+
+            if "mode" not in options:  # torch.compile takes mode or options, not both
+                options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
             self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
             self._prefill_fn = torch.compile(_prefill_forward, dynamic=True, **options)
         else:
