@@ -6,11 +6,14 @@ The buffers live on the modules (experts: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,
 Writing slot ``l`` of every module is all-or-nothing from the caller's view: the adapter is validated completely by
 the loader before :meth:`AdapterSlots.write` touches any buffer. A module the adapter does not target gets zeros in
 that slot; ranks below ``R`` are zero-padded.
+
+:class:`AdapterWeights` marks a host copy that is known good for these slots (parsed and validated by the PEFT loader,
+or checked by :meth:`AdapterSlots.validate`): ``{module name: ExpertsLoRA | LinearLoRA}`` in the slot buffers' dtypes.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -22,11 +25,58 @@ _EXPERTS_BUFFERS = ("lora_a13", "lora_b13", "lora_a2", "lora_b2")
 _LINEAR_BUFFERS = ("lora_a", "lora_b")
 
 
-def _copy_padded(dst: Tensor, src: Optional[Tensor], rank_dim: int) -> None:
+def _copy_padded(dst: Tensor, src: Optional[Tensor], rank_dim: int, non_blocking: bool = False) -> None:
     """``dst`` (one slot's buffer view) <- ``src`` zero-padded along ``rank_dim``; zeros where ``src`` is None."""
     dst.zero_()
     if src is not None:
-        dst.narrow(rank_dim, 0, src.shape[rank_dim]).copy_(src)
+        dst.narrow(rank_dim, 0, src.shape[rank_dim]).copy_(src, non_blocking=non_blocking)
+
+
+class AdapterWeights(dict):
+    """``{module name: ExpertsLoRA | LinearLoRA}`` already validated for one model's slots, in the slot dtypes, on
+    the host (pinned when asked). Made by :meth:`AdapterSlots.validate` or from the PEFT loader's result; writing it
+    into a slot needs no further checks. Mutating its tensors afterwards is the caller's risk."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all factors (what a slot write copies, padding not counted)."""
+        return sum(t.nbytes for lora in self.values() for t in vars(lora).values() if t is not None)
+
+    def pinned(self) -> "AdapterWeights":
+        """A copy with every factor in pinned (page-locked) host memory, for asynchronous host-to-device copies."""
+        return AdapterWeights({name: type(lora)(**{f: None if t is None else t.pin_memory()
+                                                   for f, t in vars(lora).items()})
+                               for name, lora in self.items()})
+
+
+def _check_pair(where: str, a, b, a_shape: tuple, b_shape: tuple, rank_dims: tuple[int, int], max_rank: int,
+                dtype: torch.dtype) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """One (A, B) pair of parsed factors: both or neither, shapes ``a_shape``/``b_shape`` (``None`` at the rank dims
+    ``rank_dims``; equal ranks <= ``max_rank``), floating, finite after the cast to ``dtype``; returns the cast host
+    copies (contiguous, on the CPU)."""
+    if a is None and b is None:
+        return None, None
+    if a is None or b is None:
+        raise ValueError(f"weights: {where} has only one factor of a LoRA pair (A and B go together)")
+    for factor, t, shape in (("A", a, a_shape), ("B", b, b_shape)):
+        if not isinstance(t, Tensor) or not t.dtype.is_floating_point:
+            raise ValueError(f"weights: {where} {factor} must be a floating-point tensor, got "
+                             f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+        if t.dim() != len(shape) or any(d is not None and t.shape[i] != d for i, d in enumerate(shape)):
+            want = ["r" if d is None else d for d in shape]
+            raise ValueError(f"weights: {where} {factor} has shape {list(t.shape)}, expected {want} "
+                             f"(made for another base model?)")
+    ra, rb = a.shape[rank_dims[0]], b.shape[rank_dims[1]]
+    if ra != rb:
+        raise ValueError(f"weights: {where} A has rank {ra} but B rank {rb}")
+    if ra > max_rank:
+        raise ValueError(f"weights: rank {ra} of {where} exceeds max_rank={max_rank} (attach with a larger max_rank)")
+    cast = [t.detach().to(device="cpu", dtype=dtype).contiguous() for t in (a, b)]
+    for factor, t in zip("AB", cast):
+        if not torch.isfinite(t).all():
+            raise ValueError(f"weights: {where} {factor} is not finite in the slot dtype {dtype} (NaN, Inf, or "
+                             f"values beyond its range)")
+    return cast[0], cast[1]
 
 
 class AdapterSlots:
@@ -61,18 +111,63 @@ class AdapterSlots:
                          f"unload one first or attach with a larger max_loras")
 
     @torch.no_grad()
-    def write(self, name: str, slot: int, weights: dict[str, ModuleLoRA]) -> None:
-        """Copy a validated adapter into ``slot`` of every module (zeros where it has no weights) and record it."""
+    def validate(self, weights: Mapping[str, ModuleLoRA]) -> AdapterWeights:
+        """Check already-parsed factors (the dict :func:`~moe_lora_compile.adapters.load_peft_adapter` returns)
+        against these slots and return them as :class:`AdapterWeights` (host copies in the slot dtypes).
+
+        Every module name must be a LoRA target here, experts modules take :class:`ExpertsLoRA` (``a13 [E,r,H]``,
+        ``b13 [E,2I,r]``, ``a2 [E,r2,I]``, ``b2 [E,H,r2]``), dense ones :class:`LinearLoRA` (``a [r,in]``,
+        ``b [out,r]``); ranks up to the slot rank; every value finite in the slot dtype. ValueError otherwise;
+        nothing is written."""
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"weights must be a dict {{module name: ExpertsLoRA | LinearLoRA}}, got "
+                             f"{type(weights).__name__}")
+        out = AdapterWeights()
+        for name, lora in weights.items():
+            if name in self.experts_modules:
+                m = self.experts_modules[name]
+                if not isinstance(lora, ExpertsLoRA):
+                    raise ValueError(f"weights: {name!r} is an experts module and takes ExpertsLoRA, got "
+                                     f"{type(lora).__name__}")
+                _, E, R, H = m.lora_a13.shape
+                I2, I = m.lora_b13.shape[2], m.lora_a2.shape[3]
+                a13, b13 = _check_pair(f"{name!r} gate_up", lora.a13, lora.b13, (E, None, H), (E, I2, None), (1, 2),
+                                       R, m.lora_b13.dtype)
+                a2, b2 = _check_pair(f"{name!r} down", lora.a2, lora.b2, (E, None, I), (E, H, None), (1, 2), R,
+                                     m.lora_b2.dtype)
+                out[name] = ExpertsLoRA(a13, b13, a2, b2)
+            elif name in self.linear_modules:
+                m = self.linear_modules[name]
+                if not isinstance(lora, LinearLoRA):
+                    raise ValueError(f"weights: {name!r} is a dense module and takes LinearLoRA, got "
+                                     f"{type(lora).__name__}")
+                _, R, n_in = m.lora_a.shape
+                n_out = m.lora_b.shape[1]
+                a, b = _check_pair(repr(name), lora.a, lora.b, (None, n_in), (n_out, None), (0, 1), R, m.lora_b.dtype)
+                out[name] = LinearLoRA(a, b)
+            else:
+                raise ValueError(f"weights: {name!r} is not a LoRA target of this model ({len(self.experts_modules)} "
+                                 f"experts and {len(self.linear_modules)} dense modules)")
+        return out
+
+    @torch.no_grad()
+    def write(self, name: str, slot: int, weights: Mapping[str, ModuleLoRA], *, non_blocking: bool = False) -> None:
+        """Copy a validated adapter into ``slot`` of every module (zeros where it has no weights) and record it.
+
+        ``non_blocking``: asynchronous host-to-device copies (from pinned memory) on the current stream."""
+        nb = non_blocking
         for module_name, module in self.experts_modules.items():
             lora = weights.get(module_name) or ExpertsLoRA()
-            _copy_padded(module.lora_a13[slot], lora.a13, rank_dim=1)
-            _copy_padded(module.lora_b13[slot], lora.b13, rank_dim=2)
-            _copy_padded(module.lora_a2[slot], lora.a2, rank_dim=1)
-            _copy_padded(module.lora_b2[slot], lora.b2, rank_dim=2)
+            _copy_padded(module.lora_a13[slot], lora.a13, rank_dim=1, non_blocking=nb)
+            _copy_padded(module.lora_b13[slot], lora.b13, rank_dim=2, non_blocking=nb)
+            _copy_padded(module.lora_a2[slot], lora.a2, rank_dim=1, non_blocking=nb)
+            _copy_padded(module.lora_b2[slot], lora.b2, rank_dim=2, non_blocking=nb)
         for module_name, module in self.linear_modules.items():
             lora = weights.get(module_name)
-            _copy_padded(module.lora_a[slot], lora.a if isinstance(lora, LinearLoRA) else None, rank_dim=0)
-            _copy_padded(module.lora_b[slot], lora.b if isinstance(lora, LinearLoRA) else None, rank_dim=1)
+            _copy_padded(module.lora_a[slot], lora.a if isinstance(lora, LinearLoRA) else None, rank_dim=0,
+                         non_blocking=nb)
+            _copy_padded(module.lora_b[slot], lora.b if isinstance(lora, LinearLoRA) else None, rank_dim=1,
+                         non_blocking=nb)
         self._slot_of[name] = slot
 
     @torch.no_grad()

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter
-from ..adapters.slots import AdapterSlots
+from ..adapters.slots import AdapterSlots, AdapterWeights
 from .dense import LoRALinear
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
                       register_experts_implementation)
@@ -144,31 +144,61 @@ class MultiLoRAModel(nn.Module):
         taken name is a ValueError. The adapter is validated completely, in the slot buffers' dtype, before any slot
         buffer is written, so a failing load leaves every loaded adapter intact.
         """
+        self._check_name(name, replace)
+        if name not in self.slots.names:
+            self.slots.free_slot()  # a full model says so before the folder is read
+        return self.load_adapter_weights(name, self.parse_adapter(path), replace=replace)
+
+    def parse_adapter(self, source) -> AdapterWeights:
+        """A PEFT adapter folder (read and validated exactly as :meth:`load_adapter` does) or already-parsed factors
+        (the dict :func:`~moe_lora_compile.adapters.load_peft_adapter` returns, checked against this model's slots)
+        -> :class:`~moe_lora_compile.adapters.slots.AdapterWeights`: host copies in the slot dtypes, ready for
+        :meth:`load_adapter_weights`. Touches no slot; ValueError / FileNotFoundError naming the problem."""
+        if isinstance(source, AdapterWeights):
+            return source
+        if isinstance(source, (str, os.PathLike)):
+            dtypes = {name: m.lora_b13.dtype for name, m in self.slots.experts_modules.items()}
+            dtypes.update({name: m.lora_b.dtype for name, m in self.slots.linear_modules.items()})
+            return AdapterWeights(load_peft_adapter(os.fspath(source), self._experts_targets, self._linear_targets,
+                                                    max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
+                                                    model_type=getattr(self.model.config, "model_type", None),
+                                                    model_module=type(self.model).__module__))
+        return self.slots.validate(source)
+
+    def load_adapter_weights(self, name: str, weights, *, replace: bool = False, slot: Optional[int] = None,
+                             non_blocking: bool = False) -> int:
+        """Write already-parsed factors (:meth:`parse_adapter`'s result, or a dict it accepts: then validated first)
+        into a slot as ``name``; returns the slot. ``replace`` as in :meth:`load_adapter`; ``slot``: a free slot to
+        use (default: the lowest free one; for ``replace``, the adapter's own). ``non_blocking``: asynchronous
+        copies on the current stream (from pinned host memory; the caller orders the streams). Written in place
+        under ``self.lock``; any error leaves every slot as it was."""
+        self._check_name(name, replace)
+        weights = self.parse_adapter(weights)
+        if slot is not None and (not isinstance(slot, int) or isinstance(slot, bool)
+                                 or not 0 <= slot < self.max_loras):
+            raise ValueError(f"slot must be an int in [0, {self.max_loras}), got {slot!r}")
+        with self.lock:  # waits for a running forward: a hot swap never lands in the middle of one
+            self._check_name(name, replace)  # another thread may have loaded it meanwhile
+            if name in self.slots.names:
+                if slot is not None and slot != self.slots.slot_of(name):
+                    raise ValueError(f"slot: adapter {name!r} is loaded in slot {self.slots.slot_of(name)}; "
+                                     f"replace keeps it there (unload it to move it to slot {slot})")
+                slot = self.slots.slot_of(name)
+            elif slot is None:
+                slot = self.slots.free_slot()
+            else:
+                holder = next((n for n, s in self.slots.names.items() if s == slot), None)
+                if holder is not None:
+                    raise ValueError(f"slot: slot {slot} holds adapter {holder!r}; unload it first")
+            self.slots.write(name, slot, weights, non_blocking=non_blocking)
+        return slot
+
+    def _check_name(self, name: str, replace: bool) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
-        if name in self.slots.names:
-            if not replace:
-                raise ValueError(f"name: adapter {name!r} is already loaded in slot {self.slots.slot_of(name)}; "
-                                 f"pass replace=True to hot-swap it")
-            slot = self.slots.slot_of(name)
-        else:
-            slot = self.slots.free_slot()
-        dtypes = {name: m.lora_b13.dtype for name, m in self.slots.experts_modules.items()}
-        dtypes.update({name: m.lora_b.dtype for name, m in self.slots.linear_modules.items()})
-        weights = load_peft_adapter(os.fspath(path), self._experts_targets, self._linear_targets,
-                                    max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
-                                    model_type=getattr(self.model.config, "model_type", None),
-                                    model_module=type(self.model).__module__)
-        with self.lock:  # waits for a running forward: a hot swap never lands in the middle of one
-            if name in self.slots.names:
-                slot = self.slots.slot_of(name)
-                if not replace:
-                    raise ValueError(f"name: adapter {name!r} is already loaded in slot {slot}; "
-                                     f"pass replace=True to hot-swap it")
-            elif slot in self.slots.names.values():  # another thread took the free slot meanwhile
-                slot = self.slots.free_slot()
-            self.slots.write(name, slot, weights)
-        return slot
+        if name in self.slots.names and not replace:
+            raise ValueError(f"name: adapter {name!r} is already loaded in slot {self.slots.slot_of(name)}; "
+                             f"pass replace=True to hot-swap it")
 
     def unload_adapter(self, name: str) -> None:
         """Zero the slot of ``name`` and free it; KeyError if not loaded. Waits for a running forward."""
