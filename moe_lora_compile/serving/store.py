@@ -1,0 +1,320 @@
+"""``AdapterStore``: any number of named adapters over the fixed GPU slots of one :class:`MultiLoRAModel`, paged.
+
+Register adapters by name (a PEFT folder, read and validated on first use or at once with ``preload=True``; or
+already-parsed factors, validated at once). Each is parsed and validated once and kept as one host copy in the slot
+dtype (pinned when the model is on CUDA). The model's ``max_loras`` slots are a cache: :meth:`AdapterStore.acquire`
+returns the slots of a request's adapters, loading the ones not in a slot from their host copy and evicting the
+least recently used resident adapter that no in-flight request holds; the adapters stay pinned in their slots until
+:meth:`AdapterStore.release` (or use :meth:`AdapterStore.use`, a context manager).
+
+Slot writes go through :meth:`MultiLoRAModel.load_adapter_weights`: in place (compiled graphs and captured CUDA
+graphs stay valid), under ``mm.lock`` (never between a running forward's id write and its model run). On CUDA the
+host-to-device copies run ``non_blocking`` on a side stream: they wait only for the GPU work that last read the slot
+(an event recorded when its previous adapter was released), so they overlap the compute already queued; the caller's
+current stream then waits for the copies before anything it enqueues next. On the CPU they are plain copies.
+
+Every error (unknown name, a bad folder, every slot held by in-flight requests) is raised before anything changes:
+slots, residency, LRU order, in-use counts and counters stay exactly as they were.
+
+With :class:`~moe_lora_compile.graphs.DecodeGraphs` (a prefill resolves names to slots for the whole generation, so
+hold the adapters until its last step)::
+
+    store = AdapterStore(mm)
+    for name, folder in folders.items():
+        store.register(name, folder, preload=True)
+    with store.use(names):                       # names: one adapter name (or None) per row
+        tokens = graphs.generate(input_ids, adapters=names, max_new_tokens=32)
+
+Adapters the store manages must only be run inside ``acquire``/``release`` (or ``use``): outside it their slot may
+be given to another adapter. Adapters loaded into ``mm`` directly (``mm.load_adapter``) keep their slots; the store
+pages through the other slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from collections import OrderedDict
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from ..adapters.slots import AdapterWeights
+
+NO_ADAPTER = -1
+
+
+@dataclasses.dataclass
+class StoreCounters:
+    """What the store did so far (a snapshot from :attr:`AdapterStore.counters`).
+
+    ``hits`` / ``misses``: adapters of an :meth:`~AdapterStore.acquire` that were / were not in a slot (each distinct
+    name once per call); ``loads``: slot writes from host copies; ``evictions``: resident adapters dropped to make
+    room; ``disk_loads``: folders read and validated; ``load_seconds``: host time of the slot writes (on CUDA the time
+    to issue the asynchronous copies, not their transfer); ``parse_seconds``: time reading and validating folders;
+    ``bytes_copied``: host-to-slot bytes of the loads (factors only, not the zero padding)."""
+
+    hits: int = 0
+    misses: int = 0
+    loads: int = 0
+    evictions: int = 0
+    disk_loads: int = 0
+    load_seconds: float = 0.0
+    parse_seconds: float = 0.0
+    bytes_copied: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    path: Optional[str]  # the folder, if registered from one
+    weights: Optional[AdapterWeights]  # the host copy once parsed
+
+
+class AdapterStore:
+    """Named adapters paged through the slots of ``mm`` (a :class:`~moe_lora_compile.models.MultiLoRAModel`).
+
+    ``pin_memory``: keep the host copies in pinned memory (default: when the model is on CUDA), so loads are
+    asynchronous copies. Thread-safe: one re-entrant lock guards the bookkeeping (taken before ``mm.lock``, never
+    after it).
+    """
+
+    def __init__(self, mm, *, pin_memory: Optional[bool] = None):
+        self.mm = mm
+        self.device = mm.token_lora_ids.device
+        on_cuda = self.device.type == "cuda"
+        self.pin_memory = on_cuda if pin_memory is None else bool(pin_memory)
+        self._lock = threading.RLock()
+        self._entries: dict[str, _Entry] = {}
+        self._lru: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, least recently used first
+        self._in_use: dict[str, int] = {}  # name -> acquire count (only names > 0)
+        self._counters = StoreCounters()
+        self._stream = torch.cuda.Stream(self.device) if on_cuda else None
+        self._released: dict[int, torch.cuda.Event] = {}  # slot -> event after the last GPU work that read it
+
+    # --- what is known -------------------------------------------------------------------------------------------
+    @property
+    def counters(self) -> StoreCounters:
+        """A snapshot of the counters."""
+        with self._lock:
+            return dataclasses.replace(self._counters)
+
+    @property
+    def resident(self) -> dict[str, int]:
+        """``{name: slot}`` of the store's adapters now in a slot, least recently used first."""
+        with self._lock:
+            self._sync()
+            return dict(self._lru)
+
+    @property
+    def in_use(self) -> dict[str, int]:
+        """``{name: number of acquires not yet released}`` (names held by in-flight requests)."""
+        with self._lock:
+            return dict(self._in_use)
+
+    @property
+    def registered(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    def __contains__(self, name) -> bool:
+        return name in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # --- registering ---------------------------------------------------------------------------------------------
+    def register(self, name: str, source, *, preload: bool = False) -> None:
+        """Make ``name`` available. ``source``: a PEFT adapter folder (read and validated on first use, or now with
+        ``preload=True``) or already-parsed factors (the dict :func:`~moe_lora_compile.adapters.load_peft_adapter`
+        returns, ``{module name: ExpertsLoRA | LinearLoRA}``; validated now). Nothing is written to a slot.
+        ValueError for a taken name or bad weights, FileNotFoundError for a missing folder; nothing changes then."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"name must be a non-empty str, got {name!r}")
+        with self._lock:
+            self._check_free_name(name)
+            if isinstance(source, (str, os.PathLike)):
+                entry = _Entry(os.fspath(source), None)
+                if not os.path.isdir(entry.path):
+                    raise FileNotFoundError(f"path: adapter folder {entry.path!r} of {name!r} does not exist")
+                if preload:
+                    entry.weights, seconds = self._parse(entry)
+                    self._counters.disk_loads += 1
+                    self._counters.parse_seconds += seconds
+            else:
+                entry = _Entry(None, self._host_copy(self.mm.parse_adapter(source)))
+            self._entries[name] = entry
+
+    def unregister(self, name: str) -> None:
+        """Forget ``name`` (its host copy too) and free its slot if it has one. KeyError if unknown, RuntimeError
+        while an in-flight request holds it."""
+        with self._lock:
+            self._check_known([name])
+            if self._in_use.get(name):
+                raise RuntimeError(f"adapters: {name!r} is in use by {self._in_use[name]} in-flight request(s); "
+                                   f"release it before unregistering")
+            self._sync()
+            if name in self._lru:
+                with self.mm.lock:
+                    self.mm.unload_adapter(name)
+                self._released.pop(self._lru.pop(name), None)
+            del self._entries[name]
+
+    # --- serving -------------------------------------------------------------------------------------------------
+    def acquire(self, names: Sequence[Optional[str]]) -> list[int]:
+        """The slots of a request's adapters (one name or None per row; None -> ``-1``), loading the ones not in a
+        slot and evicting least-recently-used adapters that no in-flight request holds. The adapters stay in their
+        slots until :meth:`release` with the same ``names``.
+
+        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load; RuntimeError
+        when the adapters not in a slot do not fit in the slots that are free or held by no request. On any error
+        nothing changes (slots, residency, LRU order, in-use counts, counters)."""
+        wanted = _distinct(names)
+        with self._lock:
+            self._check_known(wanted)
+            self._sync()
+            missing = [n for n in wanted if n not in self._lru]
+            # parse first (may fail: nothing changed yet); committed to the entries only when all went well
+            parsed, parse_seconds = {}, 0.0
+            for n in missing:
+                if self._entries[n].weights is None:
+                    parsed[n], seconds = self._parse(self._entries[n])
+                    parse_seconds += seconds
+            free = self._free_slots()
+            evictable = [n for n in self._lru if not self._in_use.get(n) and n not in wanted]
+            if len(missing) > len(free) + len(evictable):
+                raise RuntimeError(self._full_message(wanted, missing, free))
+            plan = []
+            for n in missing:
+                if free:
+                    plan.append((n, free.pop(0), None))
+                else:
+                    victim = evictable.pop(0)
+                    plan.append((n, self._lru[victim], victim))
+            # from here on nothing is expected to fail
+            for n, weights in parsed.items():
+                self._entries[n].weights = weights
+            c = self._counters
+            c.disk_loads += len(parsed)
+            c.parse_seconds += parse_seconds
+            c.hits += len(wanted) - len(missing)
+            c.misses += len(missing)
+            for n, slot, victim in plan:
+                weights = self._entries[n].weights
+                start = time.perf_counter()
+                self._write(n, slot, victim, weights)
+                c.load_seconds += time.perf_counter() - start
+                c.loads += 1
+                c.bytes_copied += weights.nbytes
+                if victim is not None:
+                    c.evictions += 1
+                    del self._lru[victim]
+                self._lru[n] = slot
+            for n in wanted:
+                self._lru.move_to_end(n)
+                self._in_use[n] = self._in_use.get(n, 0) + 1
+            return [NO_ADAPTER if n is None else self._lru[n] for n in names]
+
+    def release(self, names: Sequence[Optional[str]]) -> None:
+        """End a request's hold on its adapters (the ``names`` given to :meth:`acquire`). On CUDA, later loads into
+        their slots wait for the GPU work enqueued on the current stream until now. ValueError (nothing changes)
+        for a name that is not held."""
+        wanted = _distinct(names)
+        with self._lock:
+            not_held = [n for n in wanted if not self._in_use.get(n)]
+            if not_held:
+                raise ValueError(f"adapters: {not_held} are not held by any request (release without acquire?)")
+            for n in wanted:
+                self._in_use[n] -= 1
+                if not self._in_use[n]:
+                    del self._in_use[n]
+                if self._stream is not None and n in self._lru:
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(self.device))
+                    self._released[self._lru[n]] = event
+
+    @contextlib.contextmanager
+    def use(self, names: Sequence[Optional[str]]) -> Iterator[list[int]]:
+        """``with store.use(names) as slots:`` acquire on entry, release on exit."""
+        slots = self.acquire(names)
+        try:
+            yield slots
+        finally:
+            self.release(names)
+
+    # --- internals -----------------------------------------------------------------------------------------------
+    def _check_free_name(self, name: str) -> None:
+        if name in self._entries:
+            raise ValueError(f"name: adapter {name!r} is already registered; unregister it first")
+        if name in self.mm.adapters:
+            raise ValueError(f"name: adapter {name!r} is already loaded into the model directly "
+                             f"(slot {self.mm.adapters[name]}); unload it there first")
+
+    def _check_known(self, names: Sequence[str]) -> None:
+        unknown = [n for n in names if n not in self._entries]
+        if unknown:
+            raise KeyError(f"adapters: unknown adapter(s) {unknown}; registered: {sorted(self._entries)}")
+
+    def _sync(self) -> None:
+        """Drop residency records that the model no longer backs (an adapter unloaded from ``mm`` directly)."""
+        loaded = self.mm.adapters
+        for n, slot in list(self._lru.items()):
+            if loaded.get(n) != slot:
+                del self._lru[n]
+
+    def _free_slots(self) -> list[int]:
+        used = set(self.mm.adapters.values())
+        return [s for s in range(self.mm.max_loras) if s not in used]
+
+    def _host_copy(self, weights: AdapterWeights) -> AdapterWeights:
+        return weights.pinned() if self.pin_memory else weights
+
+    def _parse(self, entry: _Entry) -> tuple[AdapterWeights, float]:
+        start = time.perf_counter()
+        weights = self._host_copy(self.mm.parse_adapter(entry.path))
+        return weights, time.perf_counter() - start
+
+    def _full_message(self, wanted, missing, free) -> str:
+        L = self.mm.max_loras
+        held = sorted(n for n in self._lru if self._in_use.get(n))
+        outside = sorted(set(self.mm.adapters) - set(self._lru))
+        text = (f"adapters: no slot for {missing}: all {L} slots are taken by adapters in use by in-flight requests "
+                f"({held})")
+        if outside:
+            text += f" or loaded into the model outside the store ({outside})"
+        if len(wanted) > L:
+            text += f"; this request alone uses {len(wanted)} adapters, more than max_loras={L}"
+        return text + "; release finished requests first, or attach with a larger max_loras"
+
+    def _write(self, name: str, slot: int, victim: Optional[str], weights: AdapterWeights) -> None:
+        """``weights`` into ``slot`` as ``name`` (after evicting ``victim`` from it), under ``mm.lock``."""
+        mm = self.mm
+        with mm.lock:
+            if self._stream is None:
+                if victim is not None:
+                    mm.unload_adapter(victim)
+                mm.load_adapter_weights(name, weights, slot=slot)
+                return
+            released = self._released.pop(slot, None)
+            if released is not None:  # the GPU work that last read this slot comes first
+                self._stream.wait_event(released)
+            with torch.cuda.stream(self._stream):
+                if victim is not None:
+                    mm.unload_adapter(victim)
+                mm.load_adapter_weights(name, weights, slot=slot, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._stream)
+            torch.cuda.current_stream(self.device).wait_event(ready)  # the caller's next work sees the new slot
+
+
+def _distinct(names: Sequence[Optional[str]]) -> list[str]:
+    """The distinct adapter names of a request, in order (None dropped); TypeError for anything but a list of
+    str/None."""
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence):
+        raise TypeError(f"names must be a list with one adapter name (or None) per row, got {names!r}")
+    bad = [n for n in names if n is not None and not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"names: adapter names must be str or None, got {bad!r}")
+    return list(dict.fromkeys(n for n in names if n is not None))

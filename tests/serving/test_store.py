@@ -1,0 +1,308 @@
+"""AdapterStore: five PEFT adapters paged through two slots of a tiny Qwen3-MoE model.
+
+LRU order of evictions, in-use adapters never evicted, a full cache of in-use adapters refused with nothing changed,
+reloads bit-identical to the first load, clear errors (unknown names, bad folders, bad weights) with every slot
+buffer and all bookkeeping unchanged, counters that add up, already-parsed factors registered directly, no Dynamo
+recompile across paging, and the DecodeGraphs recipe.
+"""
+
+import copy
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from peft import get_peft_model
+from torch._dynamo.testing import CompileCounter
+from transformers import AutoModelForCausalLM
+
+from moe_lora_compile.adapters import ExpertsLoRA, LinearLoRA
+from moe_lora_compile.graphs import DecodeGraphs
+from moe_lora_compile.models import attach
+from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
+from moe_lora_compile.serving import AdapterStore
+
+FAMILY = "qwen3_moe"
+NAMES = ["a", "b", "c", "d", "e"]
+RANKS = [4, 2, 8, 4, 6]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Base model, five adapter folders (different ranks), a corrupt folder, and each adapter's logits from a model
+    with all five loaded directly (the truth)."""
+    root = tmp_path_factory.mktemp("store")
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(FAMILY)).eval()
+    paths = {}
+    for i, (name, r) in enumerate(zip(NAMES, RANKS)):
+        peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(FAMILY, r=r, lora_alpha=2 * r))
+        randomize_lora_(peft_model, seed=i)
+        paths[name] = str(root / name)
+        peft_model.save_pretrained(paths[name])
+    bad = str(root / "bad")
+    shutil.copytree(paths["a"], bad)
+    weights_file = os.path.join(bad, "adapter_model.safetensors")
+    with open(weights_file, "r+b") as f:
+        f.truncate(os.path.getsize(weights_file) // 2)
+    input_ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    truth_mm = attach(copy.deepcopy(base), max_loras=5, max_rank=8)
+    truth = {}
+    for name in NAMES:
+        truth_mm.load_adapter(name, paths[name])
+    with torch.no_grad():
+        for name in NAMES:
+            truth[name] = truth_mm(input_ids, adapters=[name, None], use_cache=False).logits
+    return dict(base=base, paths=paths, bad=bad, input_ids=input_ids, truth=truth)
+
+
+def _store(setup, max_loras=2, preload=False):
+    mm = attach(copy.deepcopy(setup["base"]), max_loras=max_loras, max_rank=8)
+    store = AdapterStore(mm)
+    for name in NAMES:
+        store.register(name, setup["paths"][name], preload=preload)
+    return mm, store
+
+
+def _logits(mm, store, setup, names):
+    """Logits of the first prompt, once per entry of ``names`` (its adapter), inside ``store.use(names)``."""
+    input_ids = setup["input_ids"][:1].expand(len(names), -1)
+    with torch.no_grad(), store.use(names):
+        return mm(input_ids, adapters=names, use_cache=False).logits
+
+
+def _snapshot(mm, store):
+    """Every slot buffer (cloned) and its identity, the model's name -> slot map and the store's bookkeeping."""
+    modules = list(mm.slots.experts_modules.items()) + list(mm.slots.linear_modules.items())
+    buffers = {f"{n}.{b}": getattr(m, b) for n, m in modules for b, _ in m.named_buffers(recurse=False)
+               if b.startswith("lora_")}
+    return dict(values={k: v.clone() for k, v in buffers.items()}, ids={k: id(v) for k, v in buffers.items()},
+                adapters=mm.adapters, resident=list(store.resident.items()), in_use=store.in_use,
+                counters=store.counters, registered=store.registered)
+
+
+def _assert_same(before, after):
+    assert after["ids"] == before["ids"]
+    for key, value in before["values"].items():
+        assert torch.equal(after["values"][key], value), key
+    for key in ("adapters", "resident", "in_use", "counters", "registered"):
+        assert after[key] == before[key], key
+
+
+def _slot_buffers(mm, slot):
+    modules = list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values())
+    return [getattr(m, b)[slot].clone() for m in modules for b, _ in m.named_buffers(recurse=False)
+            if b.startswith("lora_")]
+
+
+def test_lru_order_and_counters(setup):
+    mm, store = _store(setup)
+    assert store.resident == {} and mm.adapters == {}  # registering writes nothing
+    for names, resident in [(["a"], {"a": 0}),
+                            (["b", None], {"a": 0, "b": 1}),
+                            (["a"], {"b": 1, "a": 0}),               # hit: a becomes the most recent
+                            (["c"], {"a": 0, "c": 1}),               # evicts b, the least recently used
+                            ([None, "d", "d"], {"c": 1, "d": 0}),    # evicts a
+                            (["c", "e"], {"c": 1, "e": 0})]:         # c hit, e evicts d
+        logits = _logits(mm, store, setup, names)
+        assert list(store.resident.items()) == list(resident.items()), names
+        assert mm.adapters == resident
+        for row, name in enumerate(names):
+            if name is not None:
+                torch.testing.assert_close(logits[row], setup["truth"][name][0], rtol=1e-5, atol=1e-5)
+    c = store.counters
+    assert (c.hits, c.misses, c.loads, c.evictions, c.disk_loads) == (2, 5, 5, 3, 5)
+    assert c.loads == c.misses and c.evictions == c.loads - mm.max_loras
+    expected_bytes = sum(store._entries[n].weights.nbytes for n in ["a", "b", "c", "d", "e"])
+    assert c.bytes_copied == expected_bytes > 0
+    assert c.load_seconds > 0 and c.parse_seconds > 0
+    assert store.in_use == {}
+
+
+def test_in_use_adapters_are_never_evicted_and_a_full_cache_changes_nothing(setup):
+    mm, store = _store(setup, preload=True)
+    slots = store.acquire(["a", None])              # a is held from here on (and is the least recently used)
+    assert slots == [0, -1]
+    assert store.acquire(["b"]) == [1]
+    store.release(["b"])
+    assert store.acquire(["c"]) == [1]              # evicts b, not the older but held a
+    assert store.resident == {"a": 0, "c": 1} and store.in_use == {"a": 1, "c": 1}
+    before = _snapshot(mm, store)
+    with pytest.raises(RuntimeError, match=r"no slot for \['d'\].*in use by in-flight requests \(\['a', 'c'\]\)"):
+        store.acquire(["d"])
+    with pytest.raises(RuntimeError, match="more than max_loras=2"):
+        store.acquire(["a", "d", "e"])
+    _assert_same(before, _snapshot(mm, store))
+    # a second hold of a held adapter is a hit and needs no slot
+    assert store.acquire(["a"]) == [0]
+    store.release(["a"])
+    store.release(["c"])
+    assert store.acquire(["d"]) == [1]              # c is free now: d takes its slot, a stays
+    store.release(["d"])
+    store.release(["a", None])
+    assert store.in_use == {}
+    with pytest.raises(ValueError, match="not held"):
+        store.release(["a"])
+
+
+def test_reload_after_eviction_is_bit_identical(setup):
+    mm, store = _store(setup)
+    first = _logits(mm, store, setup, ["a", None])
+    slot = store.resident["a"]
+    first_buffers = _slot_buffers(mm, slot)
+    for names in (["b"], ["c"], ["d"]):  # a is evicted on the way
+        _logits(mm, store, setup, names)
+    assert "a" not in store.resident and store.resident == {"c": slot, "d": 1 - slot}
+    again = _logits(mm, store, setup, ["a", None])
+    assert store.resident["a"] == slot   # evicts c, the least recently used: the same slot as the first load
+    assert torch.equal(again, first)
+    assert all(torch.equal(x, y) for x, y in zip(_slot_buffers(mm, slot), first_buffers))
+    torch.testing.assert_close(again[0], setup["truth"]["a"][0], rtol=1e-5, atol=1e-5)
+    assert store.counters.disk_loads == 4  # a, b, c, d once: the reload came from the host copy, not from disk
+
+
+def test_errors_leave_everything_intact(setup):
+    mm, store = _store(setup)
+    store.register("bad", setup["bad"])   # lazily: the folder is read on first use
+    with store.use(["a"]):
+        pass
+    store.acquire(["b"])                  # held
+    before = _snapshot(mm, store)
+    with pytest.raises(KeyError, match=r"unknown adapter\(s\) \['nope'\]"):
+        store.acquire(["c", "nope"])
+    with pytest.raises(ValueError, match="adapter_model.safetensors: cannot be read"):
+        store.acquire(["c", "bad"])       # parsed before any eviction: a stays, c is not loaded
+    with pytest.raises(ValueError, match="adapter_model.safetensors: cannot be read"):
+        store.acquire(["bad"])            # would evict a: it does not
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        store.register("missing", os.path.join(setup["bad"], "nowhere"))
+    with pytest.raises(ValueError, match="already registered"):
+        store.register("a", setup["paths"]["c"])
+    with pytest.raises(ValueError, match="cannot be read"):
+        store.register("bad2", setup["bad"], preload=True)
+    with pytest.raises(ValueError, match="not held"):
+        store.release(["a"])
+    with pytest.raises(RuntimeError, match="in use by 1 in-flight"):
+        store.unregister("b")
+    with pytest.raises(KeyError):
+        store.unregister("nope")
+    with pytest.raises(TypeError, match="one adapter name"):
+        store.acquire("a")
+    weights = mm.parse_adapter(setup["paths"]["c"])
+    experts = next(iter(mm.slots.experts_modules))
+    broken = dict(weights)
+    broken[experts] = ExpertsLoRA(weights[experts].a13[:, :, :-1], weights[experts].b13)
+    with pytest.raises(ValueError, match=r"gate_up A has shape \[4, 8, 31\], expected \[4, 'r', 32\]"):
+        store.register("broken", broken)
+    with pytest.raises(ValueError, match="exceeds max_rank=8"):
+        store.register("broken", {experts: ExpertsLoRA(torch.zeros(4, 9, 32), torch.zeros(4, 48, 9))})
+    with pytest.raises(ValueError, match="not finite"):
+        store.register("broken", {experts: ExpertsLoRA(torch.full((4, 2, 32), float("nan")), torch.zeros(4, 48, 2))})
+    with pytest.raises(ValueError, match="not a LoRA target"):
+        store.register("broken", {"model.nowhere": LinearLoRA(torch.zeros(2, 32), torch.zeros(32, 2))})
+    _assert_same(before, _snapshot(mm, store))
+    store.release(["b"])
+    store.unregister("bad")
+    store.unregister("a")                 # frees its slot (zeroed)
+    assert store.resident == {"b": 1} and mm.adapters == {"b": 1}
+    assert all(not x.any() for x in _slot_buffers(mm, 0))
+
+
+def test_already_parsed_weights_register_directly(setup):
+    mm, store = _store(setup)
+    parsed = mm.parse_adapter(setup["paths"]["c"])   # what load_peft_adapter returns, in the slot dtype
+    as_float64 = {name: type(lora)(**{f: None if t is None else t.double() for f, t in vars(lora).items()})
+                  for name, lora in parsed.items()}
+    store.register("c_parsed", as_float64)            # validated and cast to the slot dtype now
+    logits = _logits(mm, store, setup, ["c_parsed", "c"])
+    # the same factors in both slots, bit for bit (the logits agree to rounding: the dense expand sums over all
+    # slots' rank columns, so a slot's position changes the summation order)
+    resident = store.resident
+    assert all(torch.equal(x, y) for x, y in zip(_slot_buffers(mm, resident["c_parsed"]),
+                                                 _slot_buffers(mm, resident["c"])))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits[0], setup["truth"]["c"][0], rtol=1e-5, atol=1e-5)
+    assert store.counters.disk_loads == 1             # only the folder "c"
+
+
+def test_adapters_loaded_directly_keep_their_slot(setup):
+    mm = attach(copy.deepcopy(setup["base"]), max_loras=2, max_rank=8)
+    mm.load_adapter("direct", setup["paths"]["e"])
+    store = AdapterStore(mm)
+    for name in NAMES[:3]:
+        store.register(name, setup["paths"][name])
+    with pytest.raises(ValueError, match="loaded into the model directly"):
+        store.register("direct", setup["paths"]["e"])
+    for name in NAMES[:3]:
+        assert _logits(mm, store, setup, [name, None]) is not None
+        assert mm.adapters["direct"] == 0 and store.resident == {name: 1}
+    with store.use(["a"]):
+        with pytest.raises(RuntimeError, match=r"loaded into the model outside the store \(\['direct'\]\)"):
+            store.acquire(["b"])
+
+
+def test_no_recompile_across_paging(setup):
+    mm, store = _store(setup)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    original = mm.model.forward
+    try:
+        mm.model.forward = torch.compile(original, backend=counter, fullgraph=True)
+        results = {}
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for names in (["a", None], ["b", "a"], ["c", "d"], ["e", None], ["a", "b"], ["d", "c"]):
+                results[tuple(names)] = _logits(mm, store, setup, names)
+        assert counter.frame_count == 1
+        assert store.counters.evictions >= 5
+        for names, logits in results.items():
+            for row, name in enumerate(names):
+                if name is not None and row == 0:
+                    torch.testing.assert_close(logits[0], setup["truth"][name][0], rtol=1e-5, atol=1e-5)
+    finally:
+        mm.model.forward = original
+        torch._dynamo.reset()
+
+
+def test_threads_share_the_store(setup):
+    mm, store = _store(setup, max_loras=3, preload=True)
+    errors = []
+
+    def worker(seed):
+        generator = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(6):
+                name = NAMES[int(torch.randint(0, len(NAMES), (1,), generator=generator))]
+                logits = _logits(mm, store, setup, [name, None])
+                torch.testing.assert_close(logits[0], setup["truth"][name][0], rtol=1e-5, atol=1e-5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert store.in_use == {}
+    c = store.counters
+    assert c.hits + c.misses == 18 and c.loads == c.misses
+
+
+def test_decode_graphs_recipe(setup):
+    mm, store = _store(setup)
+    graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=16, capture=False, log=None)
+    truth_mm = attach(copy.deepcopy(setup["base"]), max_loras=2, max_rank=8)
+    for names in (["a", "b"], ["c", None], ["a", "d"]):
+        with store.use(names):
+            tokens = graphs.generate(setup["input_ids"], adapters=names, max_new_tokens=4)
+        for name in names:
+            if name is not None and name not in truth_mm.adapters:
+                for old in list(truth_mm.adapters):
+                    truth_mm.unload_adapter(old)
+                break
+        for name in names:
+            if name is not None and name not in truth_mm.adapters:
+                truth_mm.load_adapter(name, setup["paths"][name])
+        expected = truth_mm.generate(setup["input_ids"], adapters=names, max_new_tokens=4, do_sample=False)
+        assert torch.equal(tokens, expected), names
