@@ -35,7 +35,12 @@ def _copy_padded(dst: Tensor, src: Optional[Tensor], rank_dim: int, non_blocking
 class AdapterWeights(dict):
     """``{module name: ExpertsLoRA | LinearLoRA}`` already validated for one model's slots, in the slot dtypes, on
     the host (pinned when asked). Made by :meth:`AdapterSlots.validate` or from the PEFT loader's result; writing it
-    into a slot needs no further checks. Mutating its tensors afterwards is the caller's risk."""
+    into a slot needs no further checks. ``owner``: the :class:`AdapterSlots` it was validated for (weights
+    validated for another model's slots are checked again). Mutating its tensors afterwards is the caller's risk."""
+
+    def __init__(self, data=(), *, owner: Optional["AdapterSlots"] = None):
+        super().__init__(data)
+        self.owner = owner
 
     @property
     def nbytes(self) -> int:
@@ -46,7 +51,7 @@ class AdapterWeights(dict):
         """A copy with every factor in pinned (page-locked) host memory, for asynchronous host-to-device copies."""
         return AdapterWeights({name: type(lora)(**{f: None if t is None else t.pin_memory()
                                                    for f, t in vars(lora).items()})
-                               for name, lora in self.items()})
+                               for name, lora in self.items()}, owner=self.owner)
 
 
 def _check_pair(where: str, a, b, a_shape: tuple, b_shape: tuple, rank_dims: tuple[int, int], max_rank: int,
@@ -122,7 +127,7 @@ class AdapterSlots:
         if not isinstance(weights, Mapping):
             raise ValueError(f"weights must be a dict {{module name: ExpertsLoRA | LinearLoRA}}, got "
                              f"{type(weights).__name__}")
-        out = AdapterWeights()
+        out = AdapterWeights(owner=self)
         for name, lora in weights.items():
             if name in self.experts_modules:
                 m = self.experts_modules[name]

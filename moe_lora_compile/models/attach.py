@@ -154,7 +154,7 @@ class MultiLoRAModel(nn.Module):
         (the dict :func:`~moe_lora_compile.adapters.load_peft_adapter` returns, checked against this model's slots)
         -> :class:`~moe_lora_compile.adapters.slots.AdapterWeights`: host copies in the slot dtypes, ready for
         :meth:`load_adapter_weights`. Touches no slot; ValueError / FileNotFoundError naming the problem."""
-        if isinstance(source, AdapterWeights):
+        if isinstance(source, AdapterWeights) and source.owner is self.slots:
             return source
         if isinstance(source, (str, os.PathLike)):
             dtypes = {name: m.lora_b13.dtype for name, m in self.slots.experts_modules.items()}
@@ -162,7 +162,7 @@ class MultiLoRAModel(nn.Module):
             return AdapterWeights(load_peft_adapter(os.fspath(source), self._experts_targets, self._linear_targets,
                                                     max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
                                                     model_type=getattr(self.model.config, "model_type", None),
-                                                    model_module=type(self.model).__module__))
+                                                    model_module=type(self.model).__module__), owner=self.slots)
         return self.slots.validate(source)
 
     def load_adapter_weights(self, name: str, weights, *, replace: bool = False, slot: Optional[int] = None,

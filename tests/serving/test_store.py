@@ -201,6 +201,14 @@ def test_errors_leave_everything_intact(setup):
         store.register("broken", {experts: ExpertsLoRA(torch.full((4, 2, 32), float("nan")), torch.zeros(4, 48, 2))})
     with pytest.raises(ValueError, match="not a LoRA target"):
         store.register("broken", {"model.nowhere": LinearLoRA(torch.zeros(2, 32), torch.zeros(32, 2))})
+    # weights validated for another model (8 experts) are checked again here, not trusted
+    other = attach(AutoModelForCausalLM.from_config(tiny_config(FAMILY, num_experts=8)).eval(), max_loras=1,
+                   max_rank=8)
+    foreign = other.slots.validate({experts: ExpertsLoRA(torch.zeros(8, 2, 32), torch.zeros(8, 48, 2))})
+    with pytest.raises(ValueError, match=r"gate_up A has shape \[8, 2, 32\], expected \[4, 'r', 32\]"):
+        store.register("broken", foreign)
+    with pytest.raises(ValueError, match="slot 1 holds adapter 'b'"):
+        mm.load_adapter_weights("direct", weights, slot=1)
     _assert_same(before, _snapshot(mm, store))
     store.release(["b"])
     store.unregister("bad")
@@ -306,3 +314,29 @@ def test_decode_graphs_recipe(setup):
                 truth_mm.load_adapter(name, setup["paths"][name])
         expected = truth_mm.generate(setup["input_ids"], adapters=names, max_new_tokens=4, do_sample=False)
         assert torch.equal(tokens, expected), names
+
+
+@pytest.mark.gpu
+def test_gpu_paging_with_captured_graphs(setup):
+    """On CUDA: pinned host copies, side-stream loads, captured decode graphs replayed across evictions give the
+    tokens of a model with the adapters loaded directly."""
+    device = torch.device("cuda")
+    mm = attach(copy.deepcopy(setup["base"]).to(device), max_loras=2, max_rank=8)
+    store = AdapterStore(mm)
+    for name in NAMES:
+        store.register(name, setup["paths"][name], preload=True)
+    assert store.pin_memory
+    assert all(t.is_pinned() for lora in store._entries["a"].weights.values() for t in vars(lora).values()
+               if t is not None)
+    graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=16, log=None)
+    assert graphs.captured
+    truth_mm = attach(copy.deepcopy(setup["base"]).to(device), max_loras=5, max_rank=8)
+    for name in NAMES:
+        truth_mm.load_adapter(name, setup["paths"][name])
+    input_ids = setup["input_ids"].to(device)
+    for names in (["a", "b"], ["c", None], ["d", "e"], ["a", "c"], ["b", "b"], ["e", "a"]):
+        with store.use(names):
+            tokens = graphs.generate(input_ids, adapters=names, max_new_tokens=4)
+        expected = truth_mm.generate(input_ids, adapters=names, max_new_tokens=4, do_sample=False)
+        assert torch.equal(tokens, expected), names
+    assert store.counters.evictions >= 6 and store.counters.bytes_copied > 0
