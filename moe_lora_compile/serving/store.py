@@ -130,7 +130,10 @@ class AdapterStore:
         """Make ``name`` available. ``source``: a PEFT adapter folder (read and validated on first use, or now with
         ``preload=True``) or already-parsed factors (the dict :func:`~moe_lora_compile.adapters.load_peft_adapter`
         returns, ``{module name: ExpertsLoRA | LinearLoRA}``; validated now). Nothing is written to a slot.
-        ValueError for a taken name or bad weights, FileNotFoundError for a missing folder; nothing changes then."""
+        ValueError for a taken name or bad weights, FileNotFoundError for a missing folder; nothing changes then.
+
+        A folder is read under the store's lock (other threads' acquires wait meanwhile): for large adapters served
+        to live traffic, preload them before serving."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         with self._lock:
