@@ -28,6 +28,11 @@ transformers family we serve does). q's forward computes ``[q | k | v]`` for ``h
 identity check, which Dynamo decides at trace time: no guard, no graph break) and clear it, so nothing is left
 behind after the attention. Called alone or with another input they clear a stale stash and compute their own
 product from their views (one extra launch, same result).
+
+Two differences from unfused, both outside serving: the fused call reads ``weight_qkv`` / ``bias_qkv`` (buffers),
+so under autograd the base q/k/v weights get no gradient (the LoRA path's gradients are unchanged; the op treats
+base weights as frozen anyway); and a non-finite value written straight into one projection's ``lora_b`` slot
+(the adapter loader refuses those) turns that slot's rows NaN in all three outputs, not only in that projection's.
 """
 
 from __future__ import annotations
