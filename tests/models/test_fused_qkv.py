@@ -328,3 +328,37 @@ def test_triton_kernel_on_one_fused_projection():
         with torch.no_grad():
             y = lora_linear_triton(x, q.weight_qkv, q.lora_a_qkv, q.lora_b_qkv, ids, bias=q.bias_qkv, config=cfg)
         torch.testing.assert_close(y, apart, rtol=1e-4, atol=1e-4)
+
+
+# --- GPU (the H200: `pytest -m gpu tests/models/test_fused_qkv.py`); written on a CPU-only machine, not yet run ---
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_step", "compiled_step"])
+def test_gpu_fused_kernels_and_captured_graphs(tmp_path, family, dtype, compiled):
+    """The Triton kernels on the fused q/k/v (n_out = q+k+v, rank 3R) equal the unfused model; captured CUDA-graph
+    decode of the fused model generates what its own generate does (fp32) and leaves no stash behind."""
+    from moe_lora_compile.__main__ import ADAPTERS, build
+    from moe_lora_compile.graphs import DecodeGraphs
+
+    s = build(family, dtype=dtype, device=torch.device("cuda"), batch=3, seq_len=6, workdir=str(tmp_path))
+    models = []
+    for fuse in (False, True):
+        mm = attach(copy.deepcopy(s.base), max_loras=4, max_rank=8, use_ops=True, fuse_qkv=fuse)
+        for name in ADAPTERS:
+            mm.load_adapter(name, tmp_path / name)
+        models.append(mm)
+    plain, fused = models
+    tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    torch.testing.assert_close(_logits(fused, s.input_ids, s.adapters), _logits(plain, s.input_ids, s.adapters),
+                               **tol)
+    torch._dynamo.reset()
+    try:
+        graphs = DecodeGraphs(fused, batch_sizes=(1, 4), max_cache_len=32, log=None, compile=compiled).capture()
+        ours = graphs.generate(s.input_ids, adapters=s.adapters, max_new_tokens=6)
+    finally:
+        torch._dynamo.reset()
+    assert _stashes(fused) == []
+    if dtype == torch.float32:
+        assert torch.equal(ours, fused.generate(s.input_ids, adapters=s.adapters, max_new_tokens=6,
+                                                do_sample=False))
