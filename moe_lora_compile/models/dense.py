@@ -114,7 +114,7 @@ def qkv_fusion_problem(q: nn.Module, k: nn.Module, v: nn.Module) -> Optional[str
     members = (q, k, v)
     if not all(isinstance(m, LoRALinear) for m in members):
         return "not all three are LoRA-wrapped linears"
-    if any(m.fused_qkv or m._qkv_peers is not None for m in members) or len({id(m) for m in members}) != 3:
+    if any(m.fused_qkv for m in members) or len({id(m) for m in members}) != 3:
         return "already fused"
     if len({m.in_features for m in members}) != 1:
         return "different in_features"
