@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter
 from ..adapters.slots import AdapterSlots, AdapterWeights
-from .dense import LoRALinear
+from .dense import LoRALinear, fuse_qkv, point_qkv_views, qkv_fusion_problem, qkv_views_intact
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
                       register_experts_implementation)
 from .families import Family, family_for, find_dense_targets, find_experts
@@ -57,7 +57,7 @@ class MultiLoRAModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, family: Family, *, max_loras: int, max_rank: int, max_tokens: int,
-                 use_ops: bool, target_modules: Optional[Sequence[str]]):
+                 use_ops: bool, target_modules: Optional[Sequence[str]], fuse_qkv: bool = False):
         super().__init__()
         self.model = model
         self.family = family
@@ -73,6 +73,7 @@ class MultiLoRAModel(nn.Module):
         self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
         experts = self._attach_experts(use_ops)
         linears = self._attach_linears(target_modules, use_ops)
+        self._qkv_leaders = self._fuse_qkv(linears) if fuse_qkv else []
         self.slots = AdapterSlots(experts, linears, max_loras)
         self._experts_targets = {name: self._experts_target(m) for name, m in experts.items()}
         self._linear_targets = {name: LinearTarget(m.in_features, m.out_features) for name, m in linears.items()}
@@ -110,6 +111,29 @@ class MultiLoRAModel(nn.Module):
             linears[name] = wrapped
         return linears
 
+    def _fuse_qkv(self, linears: dict[str, nn.Module]) -> list[LoRALinear]:
+        """Fuse every attention whose q_proj / k_proj / v_proj are all wrapped and compatible; returns the q
+        modules (holders of the fused buffers). Others (MLA attention, q/k/v not all targets) stay unfused."""
+        leaders = []
+        for name, q in linears.items():
+            parent, _, leaf = name.rpartition(".")
+            if leaf != "q_proj":
+                continue
+            prefix = f"{parent}." if parent else ""
+            k, v = linears.get(f"{prefix}k_proj"), linears.get(f"{prefix}v_proj")
+            if k is not None and v is not None and qkv_fusion_problem(q, k, v) is None:
+                fuse_qkv(q, k, v)
+                leaders.append(q)
+        return leaders
+
+    def _check_qkv_fusion(self) -> None:
+        for q in self._qkv_leaders:
+            if not qkv_views_intact(q):
+                raise RuntimeError(
+                    "model: the fused q/k/v buffers no longer alias the projections' weights and LoRA buffers (was "
+                    "the wrapped model moved or cast by itself, e.g. mm.model.to(...)?); move the MultiLoRAModel "
+                    "(mm.to(...)), which keeps them fused, or attach with fuse_qkv=False")
+
     def _experts_target(self, module: nn.Module) -> ExpertsTarget:
         E, H, I = experts_geometry(module, self.family.layout)
         return ExpertsTarget(E, H, I, self.family.layout, self.family.per_expert_names, self.family.peft_a_on_output)
@@ -120,9 +144,13 @@ class MultiLoRAModel(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # nn.Module.to() converts each module's copy of the shared buffer separately: re-share ours afterwards.
+        # Likewise it converts the fused q/k/v buffers and their views separately: point the views back at the
+        # (converted) fused buffers, which frees the separate copies.
         result = super()._apply(fn, recurse)
         if hasattr(self, "slots"):
             self._share_id_buffers()
+            for q in self._qkv_leaders:
+                point_qkv_views(q)
         return result
 
     def _share_id_buffers(self) -> None:
@@ -178,6 +206,7 @@ class MultiLoRAModel(nn.Module):
                                  or not 0 <= slot < self.max_loras):
             raise ValueError(f"slot must be an int in [0, {self.max_loras}), got {slot!r}")
         with self.lock:  # waits for a running forward: a hot swap never lands in the middle of one
+            self._check_qkv_fusion()
             self._check_name(name, replace)  # another thread may have loaded it meanwhile
             if name in self.slots.names:
                 if slot is not None and slot != self.slots.slot_of(name):
@@ -203,6 +232,7 @@ class MultiLoRAModel(nn.Module):
     def unload_adapter(self, name: str) -> None:
         """Zero the slot of ``name`` and free it; KeyError if not loaded. Waits for a running forward."""
         with self.lock:
+            self._check_qkv_fusion()
             self.slots.clear(name)
 
     # --- running ---------------------------------------------------------------------------------------------
@@ -315,7 +345,8 @@ class MultiLoRAModel(nn.Module):
 
 
 def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,
-           use_ops: bool = False, target_modules: Optional[Sequence[str]] = None) -> MultiLoRAModel:
+           use_ops: bool = False, target_modules: Optional[Sequence[str]] = None,
+           fuse_qkv: bool = False) -> MultiLoRAModel:
     """Prepare a transformers causal LM (modified in place) for multi-LoRA serving.
 
     Routes its MoE experts through our experts implementation and wraps its dense LoRA targets (the family's
@@ -323,12 +354,26 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     ``max_loras`` adapters of rank up to ``max_rank``. By default they call the traceable references
     (``moe_lora_compile.ops.reference``), which the compile pass turns into the fused ops; ``use_ops=True`` calls
     ``torch.ops.moe_lora.*`` directly (eager GPU use). Move the model to its device and dtype first.
+
+    ``fuse_qkv=True`` computes each attention's q, k and v projections in one ``lora_linear`` call over fused
+    buffers (``weight_qkv [q+k+v, in]``, ``lora_a_qkv [L, 3R, in]``, block-diagonal ``lora_b_qkv [L, q+k+v, 3R]``
+    on the q module; the projections' own weights and slot buffers become views of them, so state-dict names and
+    values, adapter loading and hot swaps are unchanged; see :mod:`moe_lora_compile.models.dense`). Same result as
+    unfused (the fused call's rows are the three calls' rows). Fused only where ``q_proj``, ``k_proj`` and
+    ``v_proj`` of one attention are all wrapped, with the same ``in_features``, dtype and device and biases on all
+    or none; everything else stays unfused: DeepSeek-V3's MLA attention (no k/v projections), ``target_modules``
+    naming only some of q/k/v. Moving or casting after attach: ``mm.to(...)`` keeps the fusion (it re-points the
+    views at the converted fused buffers); moving the wrapped model alone (``mm.model.to(...)``) breaks it, and
+    the next ``load_adapter`` / ``unload_adapter`` raises. Default ``False``: the fused path has been checked on
+    the CPU (reference and the Triton kernels in the interpreter) but not yet run or measured on a GPU.
     """
     for arg, value in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    if not isinstance(fuse_qkv, bool):
+        raise TypeError(f"fuse_qkv must be a bool, got {fuse_qkv!r}")
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
     family = family_for(model)
     return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
-                          use_ops=use_ops, target_modules=target_modules)
+                          use_ops=use_ops, target_modules=target_modules, fuse_qkv=fuse_qkv)
