@@ -353,7 +353,9 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     attention / MLP / shared-expert linears, or the leaf names in ``target_modules``) with slot buffers of
     ``max_loras`` adapters of rank up to ``max_rank``. By default they call the traceable references
     (``moe_lora_compile.ops.reference``), which the compile pass turns into the fused ops; ``use_ops=True`` calls
-    ``torch.ops.moe_lora.*`` directly (eager GPU use). Move the model to its device and dtype first.
+    ``torch.ops.moe_lora.*`` directly (eager GPU use). Move the model to its device and dtype first. The base
+    model's parameters are frozen (``requires_grad=False``): the ops take no gradient for base weights, and a model
+    fresh from ``from_pretrained`` would otherwise make ``mm(...)`` outside ``torch.no_grad()`` an error.
 
     ``fuse_qkv=True`` computes each attention's q, k and v projections in one ``lora_linear`` call over fused
     buffers (``weight_qkv [q+k+v, in]``, ``lora_a_qkv [L, 3R, in]``, block-diagonal ``lora_b_qkv [L, q+k+v, 3R]``
@@ -375,5 +377,6 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
     family = family_for(model)
+    model.requires_grad_(False)
     return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
                           use_ops=use_ops, target_modules=target_modules, fuse_qkv=fuse_qkv)

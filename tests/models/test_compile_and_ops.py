@@ -79,3 +79,15 @@ def test_moving_the_model_keeps_one_shared_token_id_buffer(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(mm(ids, adapters=["a"]).logits, peft_model(ids).logits.double(),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_attach_freezes_base_weights_so_a_plain_forward_works():
+    """A model fresh from ``from_config``/``from_pretrained`` has trainable weights; the ops refuse gradients for
+    base weights, so attach freezes them and ``mm(...)`` works outside ``torch.no_grad()`` with ``use_ops=True``."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    assert all(p.requires_grad for p in model.parameters())
+    mm = attach(model, max_loras=2, max_rank=4, use_ops=True)
+    assert not any(p.requires_grad for p in mm.parameters())
+    logits = mm(torch.randint(3, 128, (2, 5)), adapters=[None, None]).logits
+    assert logits.shape == (2, 5, 128) and torch.isfinite(logits).all()
