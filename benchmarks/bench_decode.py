@@ -24,11 +24,8 @@ the rows' LoRA factors) at the device-to-device copy bandwidth measured at the s
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -306,7 +303,6 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
     workloads = [Workload(b, args.prompt, args.new) for b in args.batches]
     if args.chat:
         workloads.append(Workload(args.chat[0], args.chat[1], args.chat[2]))
-    max_batch = max(w.batch for w in workloads)
     max_cache = max(w.prompt + w.new for w in workloads) + 8
     gen = torch.Generator().manual_seed(0)
     prompts = {w: torch.randint(3, vocab, (w.batch, w.prompt), generator=gen).to(device) for w in workloads}

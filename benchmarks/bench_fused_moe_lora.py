@@ -157,7 +157,6 @@ def unfused_layer(layer: Layer, lora, x, topk_ids, topk_weights, lora_ids):
     a13, b13, a2, b2 = lora
     L, R = a13.shape[0], a13.shape[2]
     T, k = topk_ids.shape
-    P = T * k
     experts = topk_ids.reshape(-1)
     slots = lora_ids.repeat_interleave(k)
     order = torch.argsort(experts)
@@ -413,7 +412,7 @@ def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, wa
                     on_row(results)
                 print(f"[{len(results)}/{total}] " + " ".join(f"{k}={_fmt(row.get(k))}" for k in ABLATION_COLUMNS)
                       + f"  ({time.time() - t0:.1f}s)", flush=True)
-        del lay
+        lay = None  # free the weight sets before the next model
     return results
 
 

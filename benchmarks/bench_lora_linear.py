@@ -96,7 +96,7 @@ def main(argv=None) -> int:
                                 try:
                                     alts[f"n{bn}k{bk}s{stages}"] = graph_time_us(
                                         lambda: lora_linear_triton(x, w, a, b, ids, config=cfg), flush)
-                                except Exception as e:  # a config that does not compile (shared memory)
+                                except Exception:  # a config that does not compile (shared memory)
                                     alts[f"n{bn}k{bk}s{stages}"] = float("nan")
                     best = min(alts, key=lambda k: alts[k] if alts[k] == alts[k] else 1e9)
                     row.update(best_config=best, best_us=alts[best], default_config=base_cfg["gemm"])

@@ -18,7 +18,6 @@ import torch
 
 from moe_lora_compile.__main__ import build
 from moe_lora_compile.compile import compile as compile_model
-from moe_lora_compile.models.families import FAMILIES as FAMILY_TABLE
 
 from pass_helpers import RecordingPass, pass_always_runs
 

@@ -34,7 +34,6 @@ pytest.importorskip("vllm", reason="vLLM is not installed in this venv; build /t
                                    "docstring says and run the test with it")
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
 
 from moe_lora_compile.passes import MoELoRAPass  # noqa: E402
 from moe_lora_compile.passes.vllm import vllm_pass  # noqa: E402
@@ -113,7 +112,7 @@ class RecordingManager(PostGradPassManager):
         self.graphs.append(ops)
 
 
-def test_post_grad_pass_manager_rewrites_moe_and_linear_lora(fresh_dynamo):
+def test_post_grad_pass_manager_rewrites_moe_and_linear_lora(fresh_dynamo):  # noqa: F811 (pytest fixture)
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()  # as a vLLM worker does: FixFunctionalizationPass needs torch.ops._C
