@@ -5,14 +5,15 @@ anywhere, ``MOE_LORA_PROGRESS=0`` off. Imports nothing heavy."""
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from typing import Iterator
 
+from . import settings
+
 
 def enabled() -> bool:
-    setting = os.environ.get("MOE_LORA_PROGRESS", "")
+    setting = settings.PROGRESS.value()
     if setting in ("0", "1"):
         return setting == "1"
     try:

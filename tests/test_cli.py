@@ -99,3 +99,21 @@ def test_progress_lines_go_to_stderr_only_when_on(capsys, monkeypatch):
     monkeypatch.delenv("MOE_LORA_PROGRESS")  # pytest's capture is not a terminal: quiet
     progress.say("hidden")
     assert capsys.readouterr().err == ""
+
+
+def test_every_environment_switch_is_declared_in_settings():
+    """One home for the environment switches: every ``MOE_LORA_*`` name the package reads is declared (with its
+    default and meaning) in ``moe_lora_compile.settings`` and listed in the README."""
+    import re
+    from pathlib import Path
+
+    from moe_lora_compile import settings
+
+    root = Path(__file__).resolve().parents[1]
+    declared = {s.name for s in settings.SWITCHES}
+    used = set()
+    for path in (root / "moe_lora_compile").rglob("*.py"):
+        used |= set(re.findall(r"MOE_LORA_[A-Z_]+", path.read_text()))
+    assert used <= declared, f"read but not declared in settings.py: {sorted(used - declared)}"
+    readme = (root / "README.md").read_text()
+    assert all(name in readme for name in declared), [n for n in declared if n not in readme]

@@ -7,9 +7,9 @@ sync the host, but cost a small launch each).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .. import settings
 
 from .reference import fused_moe_lora_reference, lora_linear_reference
 
@@ -18,7 +18,7 @@ from .reference import fused_moe_lora_reference, lora_linear_reference
 
 def check_values_on_device() -> bool:
     """Whether CUDA impls assert id ranges on device; off while a CUDA graph is being captured."""
-    if os.environ.get("MOE_LORA_CHECK_IDS", "1") == "0":
+    if not settings.CHECK_IDS.enabled():
         return False
     return not torch.cuda.is_current_stream_capturing()
 

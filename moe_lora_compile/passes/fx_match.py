@@ -4,19 +4,20 @@ shapes, insert nodes with fake-tensor metadata, and log matches and near misses 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import settings
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-LOG_ENV = "MOE_LORA_PASS_LOG"
+LOG_ENV = settings.PASS_LOG.name
 log = logging.getLogger("moe_lora_compile.passes")
-if os.environ.get(LOG_ENV, "0") not in ("", "0") and not log.handlers:
+if settings.PASS_LOG.enabled() and not log.handlers:
     _handler = logging.StreamHandler()
     _handler.setFormatter(logging.Formatter("[moe_lora pass] %(message)s"))
     log.addHandler(_handler)

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 import torch
 
-ENV_VAR = "MOE_LORA_PDL"
+from ... import settings
+
+ENV_VAR = settings.PDL.name  # declared, with its meaning, in moe_lora_compile.settings
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +52,7 @@ def triton_has_pdl() -> bool:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings.TRITON_INTERPRET.enabled()
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,7 +88,7 @@ def pdl_requested(config: Optional[dict] = None, *, env_first: bool = False) -> 
     """The requested mode (OFF / EARLY / LATE): the config's ``"pdl"`` if it has one, else ``MOE_LORA_PDL``
     (default LATE). ``env_first`` (a tuned or heuristic config, not one the caller passed): ``MOE_LORA_PDL``,
     when set, wins over the config's key, so the variable switches PDL off whatever the shipped tuning says."""
-    env = os.environ.get(ENV_VAR)
+    env = settings.PDL.raw()
     if env_first and env is not None:
         return _mode(env)
     if config is not None and config.get("pdl") is not None:

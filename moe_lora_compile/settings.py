@@ -1,0 +1,53 @@
+"""Every environment switch of moe_lora_compile, in one place: its name, default and meaning.
+
+Switches are read where they act, at call time (so ``monkeypatch.setenv`` and a shell ``export`` both work), except
+``MOE_LORA_PASS_LOG``, which sets up the pass's logger once, when :mod:`moe_lora_compile.passes` is imported.
+Imports nothing heavy (the CLI reads it before torch is loaded).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+_OFF = ("", "0", "false", "off", "no")
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment variable: ``name``, the value used when it is unset (``default``), what it does (``doc``)."""
+
+    name: str
+    default: str
+    doc: str
+
+    def raw(self) -> Optional[str]:
+        """The variable's value, or None when it is unset."""
+        return os.environ.get(self.name)
+
+    def value(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def enabled(self) -> bool:
+        """False for ``0``, ``false``, ``off``, ``no`` or empty (case-insensitive), True for anything else."""
+        return self.value().strip().lower() not in _OFF
+
+
+PDL = Switch("MOE_LORA_PDL", "late",
+             "programmatic dependent launch between a layer's kernels on SM90+: 0 (off), late (default: the next "
+             "kernel may launch once this one's programs are past their main loop), early, 1 (= late); when set it "
+             "wins over a tuned config entry's 'pdl' (see moe_lora_compile.ops.triton.pdl)")
+CHECK_IDS = Switch("MOE_LORA_CHECK_IDS", "1",
+                   "device-side range asserts of topk_ids / token_lora_ids in the CUDA impls (no host sync; off while "
+                   "a CUDA graph is captured); 0 turns them off")
+PASS_LOG = Switch("MOE_LORA_PASS_LOG", "0",
+                  "1: log every rewrite of the compile pass and every near miss with the reason it was rejected")
+PROGRESS = Switch("MOE_LORA_PROGRESS", "",
+                  "progress lines on stderr for slow steps (compiling, capturing, loading): 1 on, 0 off; unset: on "
+                  "when stderr is a terminal (the CLI's --verbose sets 1)")
+
+SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS)
+
+# Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
+TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter")
