@@ -18,7 +18,7 @@ _EXPORTS = {
     "MultiLoRAModel": ".models",
     "attach": ".models",
     "compile": ".compile",
-    "dump_graphs": ".inspect",
+    "dump_graphs": ".dump",
     "fused_moe_lora": ".ops",
     "load_peft_adapter": ".adapters",
     "lora_linear": ".ops",

@@ -183,7 +183,7 @@ def run_dump(folder: str, family: str = "qwen3_moe", *, dtype: str = "float32", 
     """Compile the demo model under depyf and print where the fused ops are; returns the DumpReport."""
     import torch
 
-    from .inspect import dump_graphs
+    from .dump import dump_graphs
 
     family = canonical_family(family)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

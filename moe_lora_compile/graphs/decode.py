@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..ops.contract import NO_ADAPTER
 from .kv_cache import SharedKVStorage, SlotCache
 
 
@@ -317,8 +318,8 @@ class DecodeGraphs:
         self._attention_mask[:batch].zero_()
         self._attention_mask[:batch, : self.query_len].fill_(1)
         self._start.fill_(0)
-        self.mm.token_lora_ids[: batch * self.query_len].fill_(-1)
-        self.mm.sequence_lora_ids[:batch].fill_(-1)
+        self.mm.token_lora_ids[: batch * self.query_len].fill_(NO_ADAPTER)
+        self.mm.sequence_lora_ids[:batch].fill_(NO_ADAPTER)
 
     # --- capture ---------------------------------------------------------------------------------------------
     @torch.no_grad()

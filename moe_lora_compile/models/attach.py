@@ -29,12 +29,12 @@ from torch import Tensor
 
 from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter
 from ..adapters.slots import AdapterSlots, AdapterWeights
+from ..ops.contract import NO_ADAPTER
 from .dense import LoRALinear, fuse_qkv, point_qkv_views, qkv_fusion_problem, qkv_views_intact
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
                       register_experts_implementation)
 from .families import Family, family_for, find_dense_targets, find_experts
 
-NO_ADAPTER = -1
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

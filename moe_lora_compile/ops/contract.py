@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+NO_ADAPTER = -1  # token_lora_ids value of a token without adapter (data, never a Python branch)
 LAYOUTS = ("concat", "transposed_concat", "transposed_interleaved")
 ACTIVATIONS = ("silu", "gptoss_swiglu")
 # GPT-OSS clamped swiglu constants (transformers' GptOssExperts).

@@ -19,7 +19,7 @@ from torch import Tensor
 from . import cuda_impl
 from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args, check_index_values
 from .reference import fused_moe_lora_reference
-from .registration import frozen_input_error, recompute_grads
+from .autograd import frozen_input_error, recompute_grads
 
 CORE_ARGS = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2",
              "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias")

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import cuda_impl
 from .contract import check_index_values, check_lora_linear_args
 from .reference import lora_linear_reference
-from .registration import frozen_input_error, recompute_grads
+from .autograd import frozen_input_error, recompute_grads
 
 CORE_ARGS = ("x", "weight", "lora_a", "lora_b", "token_lora_ids", "bias")
 _GRAD_POSITIONS = (0, 2, 3)

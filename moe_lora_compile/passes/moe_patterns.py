@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT
+from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER
 from ..ops.reference import glu_activation, split_gate_up
 from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, is_zero, name, require,
                        same, same_shape, shape, skip, val, where_or_zero)
@@ -527,7 +527,7 @@ def _no_adapter_stacks(graph, m: MoEMatch):
         require(all(isinstance(d, int) for d in s), "symbolic expert weight shapes")
     stacks = tuple(insert_call(graph, aten.full.default, (s, 0.0), opts) for s in shapes)
     T = insert_call(graph, aten.sym_size.int, (m.x, 0)) if not isinstance(shape(m.x)[0], int) else shape(m.x)[0]
-    ids = insert_call(graph, aten.full.default, ([T], -1), dict(dtype=torch.int32, device=w13.device))
+    ids = insert_call(graph, aten.full.default, ([T], NO_ADAPTER), dict(dtype=torch.int32, device=w13.device))
     return stacks, ids
 
 

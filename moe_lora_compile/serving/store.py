@@ -43,8 +43,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from ..adapters.slots import AdapterWeights
+from ..ops.contract import NO_ADAPTER
 
-NO_ADAPTER = -1
 
 
 @dataclasses.dataclass

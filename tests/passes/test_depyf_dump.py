@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from moe_lora_compile.compile import compile as compile_model
-from moe_lora_compile.inspect import dump_graphs
+from moe_lora_compile.dump import dump_graphs
 from moe_lora_compile.ops.reference import lora_linear_reference
 
 from test_reference_patterns import H, L, R, MoELayer
