@@ -318,8 +318,8 @@ class DecodeGraphs:
         self._attention_mask[:batch].zero_()
         self._attention_mask[:batch, : self.query_len].fill_(1)
         self._start.fill_(0)
-        self.mm.token_lora_ids[: batch * self.query_len].fill_(NO_ADAPTER)
-        self.mm.sequence_lora_ids[:batch].fill_(NO_ADAPTER)
+        self.mm.write_lora_ids(torch.full((batch * self.query_len,), NO_ADAPTER, dtype=torch.int32,
+                                          device=self.device), self.query_len)
 
     # --- capture ---------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -397,7 +397,7 @@ class DecodeGraphs:
             raise ValueError(f"input_ids: a prompt of {S} tokens plus one step of {self.query_len} does not fit "
                              f"max_cache_len={self.max_cache_len}")
         adapters = None if adapters is None else list(adapters) if not isinstance(adapters, str) else adapters
-        self.mm._slots_of(adapters, b)  # same validation (and errors) as mm.forward, before touching anything
+        self.mm.slots_for(adapters, b)  # same validation (and errors) as mm.forward, before touching anything
         if attention_mask is not None and tuple(attention_mask.shape) != (b, S):
             raise ValueError(f"attention_mask must be [{b}, {S}] like input_ids, got {tuple(attention_mask.shape)}")
         self._epoch += 1
@@ -456,8 +456,7 @@ class DecodeGraphs:
         self._attention_mask[:batch, p:p + q].fill_(1)
         self._start.fill_(p)
         with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap
-            self.mm.token_lora_ids[: batch * q].copy_(state.token_lora_ids)
-            self.mm.sequence_lora_ids[:batch].copy_(state.token_lora_ids[::q])  # one slot per sequence
+            self.mm.write_lora_ids(state.token_lora_ids, q)
             logits = self._run_step(batch)
         state.position += q
         state.lengths += q

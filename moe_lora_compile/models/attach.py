@@ -236,7 +236,7 @@ class MultiLoRAModel(nn.Module):
             self.slots.clear(name)
 
     # --- running ---------------------------------------------------------------------------------------------
-    def _slots_of(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> list[int]:
+    def slots_for(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> list[int]:
         """One slot per sequence (``-1`` = none) from ``adapters``, validated: length, names."""
         if adapters is None:
             return [NO_ADAPTER] * batch_size
@@ -247,7 +247,7 @@ class MultiLoRAModel(nn.Module):
 
     def _select(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> None:
         """Per-sequence slots from ``adapters`` (validated: length, names) for the next forward/generate."""
-        self._sequence_slots = torch.tensor(self._slots_of(adapters, batch_size), dtype=torch.int32)
+        self._sequence_slots = torch.tensor(self.slots_for(adapters, batch_size), dtype=torch.int32)
 
     @torch.no_grad()
     def set_token_lora_ids(self, adapters: Optional[Sequence[Optional[str]]], seq_len: int, *,
@@ -264,7 +264,7 @@ class MultiLoRAModel(nn.Module):
         if adapters is None and batch_size is None:
             raise ValueError("batch_size is required when adapters is None")
         num_real = batch_size if adapters is None else 0 if isinstance(adapters, str) else len(adapters)
-        slots = self._slots_of(adapters, num_real)  # raises for a bare str, like forward()
+        slots = self.slots_for(adapters, num_real)  # raises for a bare str, like forward()
         batch_size = num_real if batch_size is None else batch_size
         if batch_size < num_real:
             raise ValueError(f"batch_size ({batch_size}) is smaller than the number of adapters entries ({num_real})")
@@ -278,6 +278,19 @@ class MultiLoRAModel(nn.Module):
         view = self.token_lora_ids[:num_tokens]
         view.copy_(per_sequence.repeat_interleave(seq_len))
         return view
+
+    @torch.no_grad()
+    def write_lora_ids(self, token_lora_ids: Tensor, tokens_per_sequence: int) -> None:
+        """Copy per-token slots ``token_lora_ids [B * q]`` (int32, on the model's device, sequence-major) into
+        ``self.token_lora_ids[:B * q]`` and each sequence's slot (its first token's) into
+        ``self.sequence_lora_ids[:B]``, in place: device-to-device, no host sync, never a reallocation. For steps
+        replayed from CUDA graphs (:mod:`moe_lora_compile.graphs`), whose ids were resolved once, at prefill."""
+        n = token_lora_ids.numel()
+        if n % tokens_per_sequence or n > self.token_lora_ids.numel():
+            raise ValueError(f"token_lora_ids: {n} ids are not whole sequences of {tokens_per_sequence} tokens "
+                             f"within the {self.token_lora_ids.numel()} the buffers hold")
+        self.token_lora_ids[:n].copy_(token_lora_ids)
+        self.sequence_lora_ids[: n // tokens_per_sequence].copy_(token_lora_ids[::tokens_per_sequence])
 
     @contextlib.contextmanager
     def manual_token_lora_ids(self):

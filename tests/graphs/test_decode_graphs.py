@@ -215,6 +215,13 @@ def test_token_lora_ids_api(setup):
     assert mm.token_lora_ids[:2].tolist() == [beta, beta]
     mm(prompt[:1, :2])
     assert mm.token_lora_ids[:2].tolist() == [-1, -1]
+    # the device-side writer of replayed steps: per-token ids in, each sequence's slot from its first token
+    ids = torch.tensor([beta, beta, -1, -1, 0, 0], dtype=torch.int32)
+    mm.write_lora_ids(ids, tokens_per_sequence=2)
+    assert mm.token_lora_ids[:6].tolist() == ids.tolist() and mm.sequence_lora_ids[:3].tolist() == [beta, -1, 0]
+    with pytest.raises(ValueError, match="whole sequences"):
+        mm.write_lora_ids(ids[:5], tokens_per_sequence=2)
+    assert mm.slots_for(["beta", None], 2) == [beta, -1]
 
 
 def test_capture_false_logs_and_runs(setup):
