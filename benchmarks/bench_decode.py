@@ -348,7 +348,7 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
         del peft_model
         t0 = time.perf_counter()
         mm = mlc.attach(model, max_loras=args.adapters, max_rank=args.rank, use_ops=True,
-                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], fuse_qkv=args.fuse_qkv)
         for i, path in enumerate(paths):
             mm.load_adapter(f"a{i}", path)
         log(f"{name}: attached, {len(paths)} adapters loaded in {time.perf_counter() - t0:.1f} s")
@@ -477,6 +477,7 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="capture the eager step (DecodeGraphs(compile=False))")
+    p.add_argument("--fuse-qkv", action="store_true", help="attach(fuse_qkv=True): q/k/v in one lora_linear call")
     p.add_argument("--profile", nargs="*", type=int, default=[1, 8], help="batches to profile (none: no profile)")
     p.add_argument("--check", action="store_true", help="compare the compiled prefill with the eager model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny qwen3_moe, fp32, few tokens")
