@@ -47,7 +47,12 @@ PROGRESS = Switch("MOE_LORA_PROGRESS", "",
                   "progress lines on stderr for slow steps (compiling, capturing, loading): 1 on, 0 off; unset: on "
                   "when stderr is a terminal (the CLI's --verbose sets 1)")
 
-SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS)
+VLLM = Switch("MOE_LORA_VLLM", "0",
+              "1/true/yes/on: the vLLM general plugin (moe_lora_compile.integrations.vllm) runs vLLM's MoE LoRA "
+              "through fused_moe_lora; listing moe_lora_compile in VLLM_PLUGINS does the same; unset: installing "
+              "the package changes no vLLM deployment")
+
+SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM)
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter")

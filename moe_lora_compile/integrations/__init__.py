@@ -1,0 +1,1 @@
+"""Integrations with serving engines. Each subpackage imports its engine only when used."""

