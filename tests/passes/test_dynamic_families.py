@@ -3,15 +3,12 @@
 one graph, logits equal eager. GPT-OSS's activation constants (alpha 1.702, limit 7) must stay Python constants:
 under ``dynamic=True`` Dynamo turns a float module attribute into a graph input, which the pass cannot read.
 
-One tiny forward per family and mode (~35 s each on 2 CPU cores): the default run compiles GPT-OSS in both modes and
-DeepSeek-V3 (its ``kv_b_proj`` reads per-sequence ids over a 4-D input) with ``dynamic=True``;
-``MOE_LORA_ALL_FAMILIES=1`` runs every family in both modes. ``use_ops=True`` under ``dynamic=True`` is checked on
-Dynamo's graph alone (no Inductor), for every MoE family.
+One tiny forward per family and mode (10-35 s each on 2 CPU cores, ~3 minutes in all; the issue asks for every
+family in both modes, so all of them run in CI). ``use_ops=True`` under ``dynamic=True`` is checked on Dynamo's graph
+alone (no Inductor), for every MoE family.
 """
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -24,9 +21,7 @@ from pass_helpers import RecordingPass, pass_always_runs
 pytestmark = pytest.mark.slow
 
 ALL = ["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "deepseek_v3", "olmoe", "llama4", "qwen3"]  # qwen3: dense
-CASES = [("gpt_oss", True), ("gpt_oss", None), ("deepseek_v3", True)]
-if os.environ.get("MOE_LORA_ALL_FAMILIES") == "1":
-    CASES = [(f, d) for f in ALL for d in (True, None)]
+CASES = [(f, d) for f in ALL for d in (True, None)]
 MOE_FAMILIES = [f for f in ALL if f != "qwen3"]
 TOL = dict(atol=1e-4, rtol=1e-4)
 
