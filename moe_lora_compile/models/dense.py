@@ -85,18 +85,18 @@ class LoRALinear(nn.Module):
                 return stash[1]
         if self._qkv_peers is not None:
             return self._forward_qkv(x)
-        x2 = x.reshape(-1, self.in_features)
+        y = self._lora_linear(x, self.weight, self.lora_a, self.lora_b, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _lora_linear(self, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, bias) -> Tensor:
+        """``x [..., in]`` -> ``[rows, out]``: the op (or the reference, per ``use_ops``), each row on its slot."""
         token_lora_ids = rows_lora_ids(x, self.token_lora_ids, self.sequence_lora_ids)
         fn = torch.ops.moe_lora.lora_linear if self.use_ops else lora_linear_reference
-        y = fn(x2, self.weight, self.lora_a, self.lora_b, token_lora_ids, bias=self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return fn(x.reshape(-1, self.in_features), weight, lora_a, lora_b, token_lora_ids, bias=bias)
 
     def _forward_qkv(self, x: Tensor) -> Tensor:
         """q's output; k's and v's (the same input's) stashed on their modules for their own calls."""
-        x2 = x.reshape(-1, self.in_features)
-        token_lora_ids = rows_lora_ids(x, self.token_lora_ids, self.sequence_lora_ids)
-        fn = torch.ops.moe_lora.lora_linear if self.use_ops else lora_linear_reference
-        y = fn(x2, self.weight_qkv, self.lora_a_qkv, self.lora_b_qkv, token_lora_ids, bias=self.bias_qkv)
+        y = self._lora_linear(x, self.weight_qkv, self.lora_a_qkv, self.lora_b_qkv, self.bias_qkv)
         q, k, v = (part.reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self._qkv_sizes, dim=-1))
         k_proj, v_proj = self._qkv_peers
         k_proj._qkv_stash = (x, k)
