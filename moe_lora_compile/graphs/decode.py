@@ -153,14 +153,15 @@ class DecodeGraphs:
     with static shapes (one graph per bucket, ``dynamic=False``) in Inductor's default mode, not
     ``"reduce-overhead"``: this class captures the compiled step in its own CUDA graph per bucket, so Inductor's
     CUDA graphs would only nest inside ours. The prefill is compiled once with a dynamic chunk length
-    (``dynamic=True``). The compile happens during :meth:`capture` (warm-up runs) and the first prefill; later
-    adapter mixes, hot swaps and batches within a bucket reuse the graphs.
+    (``dynamic=True``), unless ``compile_prefill=False`` (the prefill then runs eagerly: a slower first token, but
+    no prefill compile, ~2 minutes for a 20B model on the H200). The compile happens during :meth:`capture` (warm-up
+    runs) and the first prefill; later adapter mixes, hot swaps and batches within a bucket reuse the graphs.
     """
 
     def __init__(self, mm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_cache_len: int = 512,
                  num_speculative_tokens: int = 0, capture: Optional[bool] = None,
                  pad_token_id: Optional[int] = None, warmup: int = 2,
-                 log: Optional[Callable[[str], None]] = print, compile=False):
+                 log: Optional[Callable[[str], None]] = print, compile=False, compile_prefill: bool = True):
         from ..models.attach import MultiLoRAModel
 
         if not isinstance(mm, MultiLoRAModel):
@@ -207,7 +208,8 @@ class DecodeGraphs:
             if "mode" not in options:  # torch.compile takes mode or options, not both
                 options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
             self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
-            self._prefill_fn = torch.compile(_prefill_forward, dynamic=True, **options)
+            self._prefill_fn = (torch.compile(_prefill_forward, dynamic=True, **options) if compile_prefill
+                                else _prefill_forward)
         else:
             self._decode_fn, self._prefill_fn = _decode_forward, _prefill_forward
         self.log = log

@@ -399,15 +399,19 @@ def test_routing_groups_pairs_per_expert_and_slot(T, k, E, L, block_m):
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["block_shrink", "token_shrink"])
-@pytest.mark.parametrize("T,n_in,n_out,lora,bias", [
-    (1, 32, 16, "random", False),   # one token
-    (19, 32, 48, "mixed", True),    # two row blocks, every other token -1, bias
-    (5, 40, 24, "random", False),   # in/out not multiples of 16: masked K and N
-    (6, 32, 16, "none", True),      # all -1: base linear + bias only
-    (7, 32, 16, "one_slot", False),  # every token on one slot (L = 1)
-    (9, 48, 32, "mixed_ranks", False),  # slots of real rank 2, 5, 8 zero-padded to R = 8, one token per slot and -1s
+@pytest.mark.parametrize("T,n_in,n_out,lora,bias,split_k", [
+    (1, 32, 16, "random", False, 1),   # one token
+    (19, 32, 48, "mixed", True, 1),    # two row blocks, every other token -1, bias
+    (5, 40, 24, "random", False, 1),   # in/out not multiples of 16: masked K and N
+    (6, 32, 16, "none", True, 1),      # all -1: base linear + bias only
+    (7, 32, 16, "one_slot", False, 1),  # every token on one slot (L = 1)
+    (9, 48, 32, "mixed_ranks", False, 1),  # slots of real rank 2, 5, 8 zero-padded to R = 8, one token per slot, -1s
+    (1, 64, 16, "random", True, 4),    # decode split-K: 4 K slices summed by the last program, bias once
+    (19, 48, 48, "mixed", True, 2),    # split-K over two row blocks and three column tiles (counter per tile)
+    (5, 40, 24, "random", False, 3),   # split-K with a ragged last slice (40 = 16 + 16 + 8) and masked N
+    (6, 32, 16, "none", False, 2),     # split-K, all -1: no LoRA in any slice
 ])
-def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
+def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, split_k, per_token):
     g = torch.Generator().manual_seed(7)
     L, R = (1 if lora == "one_slot" else 3), 8
     x = torch.randn(T, n_in, generator=g)
@@ -424,7 +428,7 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
             b[slot, :, rank:] = 0
         ids = torch.tensor([0, 1, 2, -1, 2, 1, 0, -1, 1], dtype=torch.int32)
     b_vec = torch.randn(n_out, generator=g) if bias else None
-    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK, per_token=per_token)}
+    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM, SPLIT_K=split_k), "shrink": dict(_SHRINK, per_token=per_token)}
     y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)),
                            bias=None if b_vec is None else b_vec.to(DEVICE), config=cfg)
     ref = x.double() @ weight.double().T
@@ -437,21 +441,27 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
 
 
 @pytest.mark.parametrize("T,n_in,n_out,block_n", [
-    (1, 2880, 4096, 64),  # GPT-OSS q at decode: 64 column tiles of 64
-    (1, 2880, 512, 16),  # k/v: 8 tiles of 64 would leave the SMs idle -> 32 tiles of 16
-    (8, 2048, 2048, 32),  # Qwen3 o: 32 tiles of 64 -> 64 of 32
-    (65, 2048, 512, 64),  # past decode sizes: block shrink, 64-wide tiles
+    (1, 2880, 4096, 64),  # GPT-OSS q at decode: 64 column tiles, split-K to ~2 programs per SM
+    (1, 2880, 512, 32),  # k/v: 16 narrow tiles; split-K capped by 2 K steps a slice
+    (8, 2048, 5120, 64),  # a fused q/k/v output at batch 8
+    (64, 2048, 2048, 64),  # the largest decode batch: 4 row blocks
+    (65, 2048, 512, 64),  # past decode sizes: block shrink, 64-wide tiles, no split
 ])
 def test_default_linear_config(T, n_in, n_out, block_n):
-    """Decode-sized batches get the per-token shrink (split-K filling the SMs) and narrower column tiles where 64
-    would give few programs; larger batches the block shrink."""
+    """Decode-sized batches get the per-token shrink and a split-K GEMM whose programs fill the SMs about twice
+    (unless K runs out of 2-step slices); larger batches the block shrink and no split."""
     from moe_lora_compile.ops.triton.launch import default_linear_config
 
     cfg = default_linear_config(T, n_in, n_out, num_sms=132)
-    assert cfg["gemm"]["BLOCK_N"] == block_n
+    gemm = cfg["gemm"]
+    assert gemm["BLOCK_N"] == block_n
     assert cfg["shrink"]["per_token"] == (T <= 64)
     if T <= 64:
         assert T * cfg["shrink"]["SPLIT_K"] >= 132 or cfg["shrink"]["SPLIT_K"] == -(-n_in // 128)
+        programs = -(-T // cfg["BLOCK_M"]) * -(-n_out // block_n) * gemm["SPLIT_K"]
+        assert programs >= 2 * 132 or gemm["SPLIT_K"] in (1, -(-n_in // (2 * gemm["BLOCK_K"])))
+    else:
+        assert gemm["SPLIT_K"] == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -217,35 +217,39 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> dict:
-    """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: column
-    tiles of 64 where that gives >= 40 programs, else narrower (32, 16), and K steps of 256; from a sweep on the
-    H200 (2026-12-03, ``benchmarks/bench_lora_linear.py --configs``): q [4096, 2880] at T=1 19.4 us with 64-wide tiles
-    against 22.7 us with 16-wide ones, k/v [512, 2880] best at 16. The per-token shrink splits K so that the batch's
-    programs fill the SMs about twice."""
+    """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: 64-wide
+    column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two programs per SM
+    stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way. Larger batches:
+    64x64 tiles, block shrink, no split."""
     small = T <= 64
     block_m = 16 if small else 64
     grid_m = triton.cdiv(T, block_m)
-    block_n = 64
+    block_n = 64 if (not small or n_out >= 1024) else 32
+    block_k = 128 if small else 64
+    split_k = 1
     if small:
-        while block_n > 16 and grid_m * triton.cdiv(n_out, block_n) < 40:
-            block_n //= 2
+        tiles = grid_m * triton.cdiv(n_out, block_n)
+        split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(n_in, 2 * block_k)))
     rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
     return {"BLOCK_M": block_m,
-            "gemm": {"BLOCK_N": block_n, "BLOCK_K": 256 if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
-                     "num_stages": 4 if small else 3},
+            "gemm": {"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_SIZE_M": 8, "num_warps": 4,
+                     "num_stages": 4 if small else 3, "SPLIT_K": split_k},
             "shrink": {"BLOCK_K": 128 if small else 64, "SPLIT_K": rows_split if small else 1, "num_warps": 4,
                        "num_stages": 2, "per_token": small}}
 
 
-def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg, launch):
-    """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T)."""
+def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg, launch, counters):
+    """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T); zeroes
+    ``counters`` (int32) on the way."""
     T, n_in = x.shape
     block_k = _tile(cfg["BLOCK_K"], n_in)
     split_k, k_per_split, even_k = _k_split(n_in, block_k, cfg["SPLIT_K"])
     s = torch.empty((split_k, rows, R), dtype=torch.float32, device=x.device)
+    zero = counters.numel() > 0
     DK.lora_shrink_rows_kernel[(T, split_k)](
         x, x.stride(0), a, a.stride(0), a.stride(1), s, s.stride(0), token_lora_ids, T, n_in, R, k_per_split,
-        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, num_warps=cfg["num_warps"],
+        counters if zero else token_lora_ids, counters.numel(),
+        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, ZERO_COUNTERS=zero, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch)
     return s
 
@@ -254,40 +258,46 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
                        bias: Optional[Tensor] = None, config: Optional[dict] = None) -> Tensor:
     """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
     -> y [T, out] in x.dtype. Two launches: shrink (per token for decode-sized batches, config
-    ``shrink.per_token``; else per block of BLOCK_M tokens), then the GEMM with the expand in its epilogue."""
+    ``shrink.per_token``; else per block of BLOCK_M tokens), then the GEMM with the expand in its epilogue
+    (:func:`.dense_kernels.lora_linear_kernel`, split-K ``gemm.SPLIT_K`` with an in-kernel sum; the shrink zeroes
+    its arrival counters)."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     R = lora_a.shape[1]
     if T == 0:
         return x.new_empty((0, n_out))
     cfg = config or default_linear_config(T, n_in, n_out, _num_sms(x.device))
+    c = cfg["gemm"]
     block_m = cfg["BLOCK_M"]
     grid_m = triton.cdiv(T, block_m)
+    block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
+    tiles = grid_m * triton.cdiv(n_out, block_n)
+    split_k, k_per_split, even_k = _k_split(n_in, block_k, c.get("SPLIT_K", 1))
     x = x.contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
     dummy = token_lora_ids
+    counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
     chain = LaunchChain(use_pdl(x.device, cfg))
     if cfg["shrink"].get("per_token", False):
         s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=grid_m * block_m, cfg=cfg["shrink"],
-                                launch=chain.next())
+                                launch=chain.next(), counters=counters)
     else:
-        # lora_linear is the DENSE mode of the MoE kernels with one expert: A [L, 1, R, in] via a zero expert stride.
+        # the block shrink is the DENSE mode of the MoE shrink with one expert: A [L, 1, R, in] (zero expert stride)
         meta = (dummy, dummy, dummy, dummy, T, grid_m)
         s = _launch_shrink(x, a.unsqueeze(1), x, token_lora_ids, meta, K_dim=n_in, R=R, top_k=1, mode=K.DENSE,
                            block_m=block_m, input_by_token=True, scale_by_weight=False, cfg=cfg["shrink"],
-                           dtype=x.dtype, launch=chain.next())
+                           dtype=x.dtype, launch=chain.next(), counters=counters)
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
-    c = cfg["gemm"]
-    block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
-    bias_t = bias if bias is not None else x
-    K.moe_w2_kernel[(grid_m * triton.cdiv(n_out, block_n),)](
-        x, x.stride(0), weight, 0, weight.stride(1), weight.stride(0), bias_t, 0,
-        b, b.stride(0), 0, b.stride(1), s, s.shape[0], s.stride(0), out, out.stride(0), x, token_lora_ids,
-        dummy, dummy, dummy, dummy, T, grid_m, n_in, n_out, R, 1, dummy, out, out.stride(0),
-        triton.cdiv(n_in, block_k) * block_k,
+    part = torch.empty((split_k, grid_m * block_m, n_out) if split_k > 1 else (0,), dtype=torch.float32,
+                       device=x.device)
+    DK.lora_linear_kernel[(tiles, split_k)](
+        x, x.stride(0), weight, weight.stride(0), weight.stride(1), bias if bias is not None else x,
+        b, b.stride(0), b.stride(1), s, s.shape[0], s.stride(0), token_lora_ids, out, out.stride(0),
+        part if split_k > 1 else out, counters if split_k > 1 else token_lora_ids,
+        T, grid_m, n_in, n_out, R, k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c["GROUP_SIZE_M"],
-        MODE=K.DENSE, HAS_BIAS=bias is not None, WEIGHT_ON_OUTPUT=False,
-        EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=c["num_warps"], num_stages=c["num_stages"], **chain.next())
+        HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
+        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c["num_warps"],
+        num_stages=c["num_stages"], **chain.next())
     return out
