@@ -638,8 +638,13 @@ def test_gpu_new_token_count_does_not_recompile():
 
 
 @pytest.mark.gpu
-def test_gpu_lora_linear_bf16():
-    T, n_in, n_out, L, R = 300, 2048, 4096, 4, 64
+@pytest.mark.parametrize("T,n_in,n_out,L,R", [
+    (300, 2048, 4096, 4, 64),  # prefill-sized: block shrink, no split-K
+    (1, 2880, 5120, 8, 32),    # GPT-OSS fused q/k/v at batch 1: per-token shrink, split-K GEMM
+    (8, 4096, 2880, 8, 32),    # GPT-OSS o at batch 8: 8 adapters over 8 rows, split-K
+    (64, 2880, 512, 8, 32),    # GPT-OSS k at the largest decode batch: narrow output, 4 row blocks
+])
+def test_gpu_lora_linear_bf16(T, n_in, n_out, L, R):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(T, n_in, generator=g)
     w = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
@@ -649,9 +654,14 @@ def test_gpu_lora_linear_bf16():
     y = torch.ops.moe_lora.lora_linear(*(t.cuda().bfloat16() for t in (x, w, a, b)), ids.cuda(),
                                        bias=bias.cuda().bfloat16())
     from moe_lora_compile.ops.reference import lora_linear_reference
-    ref = lora_linear_reference(*(t.cuda().bfloat16().float() for t in (x, w, a, b)), ids.cuda(),
-                                bias=bias.cuda().bfloat16().float())
-    assert _rel_err(y, ref) < 1e-2
+    ref = lora_linear_reference(*(t.bfloat16().double() for t in (x, w, a, b)), ids,
+                                bias=bias.bfloat16().double())
+    assert _rel_err(y.cpu(), ref) < 1e-2
+    none = torch.full_like(ids, -1)  # the LoRA delta alone (base-only run subtracted) is right too
+    y0 = torch.ops.moe_lora.lora_linear(*(t.cuda().bfloat16() for t in (x, w, a, b)), none.cuda(),
+                                        bias=bias.cuda().bfloat16())
+    ref0 = lora_linear_reference(*(t.bfloat16().double() for t in (x, w, a, b)), none, bias=bias.bfloat16().double())
+    assert _rel_err(y.cpu().double() - y0.cpu().double(), ref - ref0) < 5e-2
 
 
 @pytest.mark.gpu
