@@ -202,7 +202,8 @@ def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> N
 
 
 def check_index_values(name: str, ids: torch.Tensor, low: int, high: int) -> None:
-    """Data check ``low <= ids < high``. CPU: raises ValueError. CUDA: an async device assert (no host sync)."""
+    """Data check ``low <= ids < high``. CPU: raises ValueError. CUDA: a device assert in one Triton launch
+    (:mod:`.triton.checks`; no host sync), which fails the launch like ``torch._assert_async``."""
     if ids.numel() == 0:
         return
     if ids.device.type == "cpu":
@@ -210,4 +211,13 @@ def check_index_values(name: str, ids: torch.Tensor, low: int, high: int) -> Non
         if lo < low or hi >= high:
             raise ValueError(f"{name} values must lie in [{low}, {high}); got min {lo}, max {hi}")
     else:
-        torch._assert_async(((ids >= low) & (ids < high)).all(), f"{name} values must lie in [{low}, {high})")
+        message = f"{name} values must lie in [{low}, {high})"
+        try:
+            from .triton.checks import check_index_range_kernel
+        except ImportError:  # a CUDA torch without Triton: five aten launches instead of one
+            torch._assert_async(((ids >= low) & (ids < high)).all(), message)
+            return
+        ids = ids.contiguous()
+        block = 1024
+        check_index_range_kernel[(-(-ids.numel() // block),)](ids, ids.numel(), low, high, MESSAGE=message,
+                                                               BLOCK=block)
