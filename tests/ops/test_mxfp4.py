@@ -3,6 +3,8 @@ nearest-code search and the float64 loop reference."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from loop_reference import TOLERANCES, MoECase, moe_lora_loop
 
 import moe_lora_compile as mlc
@@ -246,7 +248,9 @@ def test_transformers_loads_the_saved_model_bit_exact(tmp_path, dtype):
 
     ours = build_mxfp4_gpt_oss(_mxfp4_config(), dtype=dtype)
     ours.save_pretrained(tmp_path)
-    theirs = GptOssForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval()
+    # transformers 5.17 leaves the dequantized experts bf16 whatever dtype is asked for (5.24 uses dtype): cast them,
+    # the values are exact in both
+    theirs = GptOssForCausalLM.from_pretrained(tmp_path, dtype=dtype).eval().to(dtype)
     for layer_ours, layer_theirs in zip(ours.model.layers, theirs.model.layers):
         e_ours, e_theirs = layer_ours.mlp.experts, layer_theirs.mlp.experts
         assert not isinstance(e_theirs, GptOssMxfp4Experts)
@@ -281,6 +285,62 @@ def test_build_refuses_bad_configs(change, match):
 def test_build_refuses_other_families():
     with pytest.raises(ValueError, match="gpt_oss"):
         build_mxfp4_gpt_oss(tiny_config("qwen3_moe"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a probe of the Triton primitives a kernel's MXFP4 load path would use, on the checkpoint's layout
+
+
+@triton.jit
+def _probe_mxfp4_matmul(a_ptr, blocks_ptr, scales_ptr, out_ptr, K, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, DOT_SCALED: tl.constexpr):
+    """out [BLOCK_M, N] fp32 = a [BLOCK_M, K] @ W [K, N] for one expert's MXFP4 W as the checkpoint stores it:
+    blocks uint8 [N, K/2] (K contiguous), scales uint8 [N, K/32]. DOT_SCALED: ``tl.dot_scaled`` (a bf16); else
+    decode in registers (codes -> fp16 bits, times the scale built from the byte's bits) and ``tl.dot``."""
+    offs_m, offs_n = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N)
+    offs_byte, offs_group = tl.arange(0, BLOCK_K // 2), tl.arange(0, BLOCK_K // 32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(a_ptr + offs_m[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :])
+        packed = tl.load(blocks_ptr + offs_n[:, None] * (K // 2) + (k0 // 2 + offs_byte)[None, :])  # [BN, BK/2]
+        scale = tl.load(scales_ptr + offs_n[:, None] * (K // 32) + (k0 // 32 + offs_group)[None, :])  # [BN, BK/32]
+        if DOT_SCALED:
+            acc = tl.dot_scaled(a, None, "bf16", tl.trans(packed), scale, "e2m1", acc)
+        else:
+            codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.int16)  # [BN, BK]: input 2b low nibble
+            # E2M1 bits -> fp16 bits: value * 2**-14 (code 1, 0.5, becomes the fp16 subnormal 2**-15)
+            half = (((codes & 0x8) << 12) | ((codes & 0x7) << 9)).to(tl.float16, bitcast=True)
+            factor = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0  # 2**(s-127) * 2**14
+            w = tl.reshape(half.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * factor[:, :, None]
+            w = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))
+            acc += tl.dot(a, w.to(a.dtype), input_precision="ieee" if a.dtype == tl.float32 else "tf32")
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc)
+
+
+def _probe(device, dot_scaled, dtype):
+    g = torch.Generator().manual_seed(5)
+    M, K, N = 16, 128, 32
+    q = quantize_mxfp4(torch.randn(1, K, N, generator=g) * torch.logspace(-3, 1, N))  # several scale bytes
+    a = torch.randn(M, K, generator=g).to(dtype)
+    expected = a.float() @ q.dequantize(torch.float32)[0]
+    blocks, scales = q.blocks[0].reshape(N, K // 2).to(device), q.scales[0].to(device)
+    out = torch.empty(M, N, device=device)
+    _probe_mxfp4_matmul[(1,)](a.to(device), blocks, scales, out, K, N, BLOCK_M=M, BLOCK_N=N, BLOCK_K=64,
+                              DOT_SCALED=dot_scaled)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dot_scaled,dtype", [
+    (False, torch.float32),  # in-register decode (the interpreter computes bf16 tl.dot wrong: fp32 only)
+    (True, torch.bfloat16),  # tl.dot_scaled reads blocks [N, K/2] (transposed) and scales [N, K/32] as stored
+], ids=["register_decode_fp32", "dot_scaled_bf16"])
+def test_triton_primitives_read_the_checkpoint_layout(dot_scaled, dtype):
+    _probe("cuda" if torch.cuda.is_available() else "cpu", dot_scaled, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_in_register_decode_with_bf16_dot():
+    _probe("cuda", False, torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------------------------
