@@ -31,8 +31,15 @@ How transformers builds MXFP4 GPT-OSS (read in 5.17 and 5.24):
   ``matmul_ogs`` with a fused swiglu. Both come from the hub (``kernels`` package,
   ``kernels-community/gpt-oss-triton-kernels``): nothing here or on the GPU machine can fetch them.
 - Without the ``kernels`` package (or on CPU without ``use_kernels=True``) the quantizer sets ``dequantize=True`` and
-  loads the blocks/scales dequantized into plain ``GptOssExperts`` parameters (bf16 on 5.17; the parameter's dtype
-  on 5.24): the model is then a bf16 model. Quantizing a bf16 checkpoint on the fly needs the hub kernels (error).
+  loads the blocks/scales dequantized into plain ``GptOssExperts`` parameters (bf16 on 5.17 whatever dtype is asked;
+  the parameter's dtype on 5.24): a dense model. Quantizing a bf16 checkpoint on the fly needs the hub kernels.
+  The dequantized values are exact in bf16, so :func:`quantize_mxfp4` of them gives the same values back (for scale
+  bytes 4..252; codes and scales may differ where a group's largest code is below 6): loading
+  with transformers and then quantizing (``quantize_gpt_oss_experts_``) recovers the checkpoint's experts.
+
+For a Triton kernel the checkpoint layout needs no re-layout: one expert's ``blocks`` viewed as ``[N, K/2]`` (K
+contiguous) and ``scales [N, K/32]`` are what ``tl.dot_scaled(x_bf16, None, "bf16", tl.trans(blocks_tile),
+scales_tile, "e2m1")`` reads (probed in ``tests/ops/test_mxfp4.py``, interpreter and GPU).
 
 So a GPT-OSS model that keeps MXFP4 experts without the hub is built by us:
 :func:`moe_lora_compile.models.mxfp4_gpt_oss.build_mxfp4_gpt_oss` (experts as ``GptOssMxfp4Experts``, the
