@@ -34,7 +34,7 @@ How transformers builds MXFP4 GPT-OSS (read in 5.17 and 5.24):
   loads the blocks/scales dequantized into plain ``GptOssExperts`` parameters (bf16 on 5.17 whatever dtype is asked;
   the parameter's dtype on 5.24): a dense model. Quantizing a bf16 checkpoint on the fly needs the hub kernels.
   The dequantized values are exact in bf16, so :func:`quantize_mxfp4` of them gives the same values back (for scale
-  bytes 4..252; codes and scales may differ where a group's largest code is below 6): loading
+  bytes 4..252; codes and scales differ where a group's largest value is below 4x its scale): loading
   with transformers and then quantizing (``quantize_gpt_oss_experts_``) recovers the checkpoint's experts.
 
 For a Triton kernel the checkpoint layout needs no re-layout: one expert's ``blocks`` viewed as ``[N, K/2]`` (K
