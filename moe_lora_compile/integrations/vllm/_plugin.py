@@ -13,7 +13,7 @@ from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-from .stacks import experts_forward, op_stacks, slot_ids
+from .stacks import experts_forward, keep_unmapped_rows_unadapted, op_stacks, slot_ids, token_slot_buffer
 
 logger = logging.getLogger("moe_lora_compile.integrations.vllm")
 
@@ -23,7 +23,6 @@ OOT_NAME = "UnquantizedFusedMoEMethod"
 fused_moe_lora_op = torch.ops.moe_lora.fused_moe_lora
 
 _logged: set[str] = set()
-_WATCHED_ATTR = "_moe_lora_unmapped_rows_cleared"
 
 
 def _log_once(key: str, msg: str, *args) -> None:
@@ -72,33 +71,6 @@ def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hi
     return None
 
 
-def _token_slot_buffer(punica_wrapper) -> torch.Tensor:
-    """The punica wrapper's persistent per-token slot buffer (``-1`` = none), whole: the rows past the current
-    mapping are kept at -1 by :func:`_keep_unmapped_rows_unadapted`, so padded rows of a batch get no adapter."""
-    buffer = getattr(punica_wrapper, "_token_lora_indices", None)
-    return punica_wrapper.token_lora_indices if buffer is None else buffer
-
-
-def _keep_unmapped_rows_unadapted(punica_wrapper) -> None:
-    """Once per wrapper: fill its slot buffer with -1 (no mapping yet) and, after each of vLLM's
-    ``update_metadata`` calls (host side, once per step), the rows past the new mapping, so that rows a captured
-    batch pads with read -1 rather than an older step's slot. One small fill per step, none per layer."""
-    buffer = getattr(punica_wrapper, "_token_lora_indices", None)
-    lengths = getattr(punica_wrapper, "indices_len", None)
-    if buffer is None or lengths is None or getattr(punica_wrapper, _WATCHED_ATTR, False):
-        return
-    buffer[lengths[0] or 0:].fill_(-1)  # all of it before the first mapping
-    update = punica_wrapper.update_metadata
-
-    def update_metadata(*args, **kwargs):
-        result = update(*args, **kwargs)
-        buffer[punica_wrapper.indices_len[0] or 0:].fill_(-1)
-        return result
-
-    punica_wrapper.update_metadata = update_metadata
-    setattr(punica_wrapper, _WATCHED_ATTR, True)
-
-
 class MoELoRAExperts(TritonExperts):
     """vLLM's Triton experts with LoRA, whole layer computed by ``torch.ops.moe_lora.fused_moe_lora``."""
 
@@ -115,7 +87,7 @@ class MoELoRAExperts(TritonExperts):
             if self._stacks is None:
                 self._reason = "MoE LoRA stacks in a layout the op does not read (non-gated, or shaped otherwise)"
             else:
-                _keep_unmapped_rows_unadapted(ctx.punica_wrapper)
+                keep_unmapped_rows_unadapted(ctx.punica_wrapper)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
@@ -129,7 +101,7 @@ class MoELoRAExperts(TritonExperts):
                                  expert_tokens_meta, apply_router_weight_on_input)
         _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora (%s stacks)",
                   "3-D" if ctx.w13_num_slices == 1 else "2-D")
-        ids = slot_ids(_token_slot_buffer(ctx.punica_wrapper), hidden_states.shape[0])
+        ids = slot_ids(token_slot_buffer(ctx.punica_wrapper), hidden_states.shape[0])
         experts_forward(output, hidden_states, w1, w2, topk_weights, topk_ids, ids, self._stacks,
                         weights_on_input=apply_router_weight_on_input, op=fused_moe_lora_op)
 

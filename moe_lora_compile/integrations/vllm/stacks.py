@@ -23,6 +23,7 @@ from torch import Tensor
 from ...ops.contract import NO_ADAPTER
 
 _PACKED_ATTR = "_moe_lora_op_stacks"  # set on vLLM's gate A tensor once its 2-D stacks are re-seated
+_WATCHED_ATTR = "_moe_lora_unmapped_rows_cleared"  # set on a punica wrapper once its update is wrapped
 
 
 class OpStacks(NamedTuple):
@@ -109,6 +110,35 @@ def slot_ids(token_slots: Tensor, num_tokens: int) -> Tensor:
     return torch.cat([token_slots, token_slots.new_full((num_tokens - token_slots.shape[0],), NO_ADAPTER)])
 
 
+def token_slot_buffer(punica_wrapper) -> Tensor:
+    """vLLM's persistent per-token slot buffer of a punica wrapper (``_token_lora_indices``, ``-1`` = none), whole,
+    or its ``token_lora_indices`` (the mapped rows) where it has none. Past the mapped rows the buffer holds -1
+    once :func:`keep_unmapped_rows_unadapted` watches the wrapper."""
+    buffer = getattr(punica_wrapper, "_token_lora_indices", None)
+    return punica_wrapper.token_lora_indices if buffer is None else buffer
+
+
+def keep_unmapped_rows_unadapted(punica_wrapper) -> None:
+    """Once per punica wrapper (vLLM 0.32's ``_token_lora_indices`` buffer and ``indices_len``): fill the rows past
+    the current mapping with -1 (all of them before the first mapping), and again after each ``update_metadata``
+    (host side, once per step, before a captured graph replays), so rows that a captured batch pads with read -1,
+    not an older step's slot. One small fill per step, none per layer. No-op for a wrapper without those fields."""
+    buffer = getattr(punica_wrapper, "_token_lora_indices", None)
+    lengths = getattr(punica_wrapper, "indices_len", None)
+    if buffer is None or lengths is None or getattr(punica_wrapper, _WATCHED_ATTR, False):
+        return
+    buffer[lengths[0] or 0:].fill_(NO_ADAPTER)
+    update = punica_wrapper.update_metadata
+
+    def update_metadata(*args, **kwargs):
+        result = update(*args, **kwargs)
+        buffer[punica_wrapper.indices_len[0] or 0:].fill_(NO_ADAPTER)
+        return result
+
+    punica_wrapper.update_metadata = update_metadata
+    setattr(punica_wrapper, _WATCHED_ATTR, True)
+
+
 def adopt_or_copy(output: Tensor, y: Tensor) -> bool:
     """Put ``y`` in ``output``. When ``output`` owns its storage alone and ``y`` matches it (shape, dtype, device,
     contiguous), ``output`` becomes ``y`` in place (``Tensor.set_``: no [T, H] copy; its old buffer is dropped
@@ -140,4 +170,5 @@ def experts_forward(output: Tensor, hidden_states: Tensor, w13: Tensor, w2: Tens
     return output
 
 
-__all__ = ["OpStacks", "adopt_or_copy", "experts_forward", "op_stacks", "slot_ids"]
+__all__ = ["OpStacks", "adopt_or_copy", "experts_forward", "keep_unmapped_rows_unadapted", "op_stacks", "slot_ids",
+           "token_slot_buffer"]
