@@ -1,9 +1,9 @@
 """The vLLM plugin (``moe_lora_compile.integrations.vllm``) end to end: ``vllm.LLM`` on the CPU with LoRA on a tiny
 Qwen3-MoE, through both of vLLM's MoE LoRA wrappers (2-D ``FusedMoEWithLoRA`` under mixed format, 3-D
-``FusedMoE3DWithLoRA``): greedy tokens per row equal to PEFT's, one ``fused_moe_lora`` call per MoE layer per step, whose result becomes
-the layer's output without a copy;
-and, without the plugin, the stock crash (strict xfail: it turns red the day vLLM fixes it). The adapters, the runs
-and how to install vLLM: ``conftest.py``. Skips without vLLM.
+``FusedMoE3DWithLoRA``): greedy tokens per row equal to PEFT's, one ``fused_moe_lora`` call per MoE layer per step,
+whose result becomes the layer's output without a copy; and, without the plugin, the stock crash (strict xfail: it
+turns red the day vLLM fixes it). The adapters, the runs and how to install vLLM: ``conftest.py``. Skips without
+vLLM.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ max_loras, count_calls, format: "mixed" | "3d", dump: path or null}.
   checkpoint through it (``hf_overrides``); mixed format off.
 
 Prints one line ``RESULT {json}``: tokens per batch and row, the op's calls per batch and how many of those handed
-their result to vLLM without a copy (``adopted``), and the LoRA wrapper classes of the MoE layers. With ``dump``, saves per MoE layer vLLM's stacks, the plugin's op stacks, and whether vLLM's
-tensors live in the op stacks' storage, plus vLLM's slot -> adapter id list (``torch.save``).
+their result to vLLM without a copy (``adopted``), and the LoRA wrapper classes of the MoE layers. With ``dump``,
+saves per MoE layer vLLM's stacks, the plugin's op stacks, and whether vLLM's tensors live in the op stacks'
+storage, plus vLLM's slot -> adapter id list (``torch.save``).
 The parent sets the environment (MOE_LORA_VLLM or not, VLLM_ENABLE_V1_MULTIPROCESSING=0, cache dirs).
 """
 
