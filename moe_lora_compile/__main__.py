@@ -48,11 +48,13 @@ class Setup:
 
 
 def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, seq_len: int,
-          workdir: str, max_rank: int = 8, config_overrides: Optional[dict] = None) -> Setup:
+          workdir: str, max_rank: int = 8, config_overrides: Optional[dict] = None,
+          use_ops: bool = False) -> Setup:
     """Tiny ``family`` model, three PEFT adapters saved to ``workdir`` and loaded into an attached model.
 
     ``family``: a short name or a model_type (``llama4`` or ``llama4_text``); ``config_overrides`` go to
-    :func:`~moe_lora_compile.models.tiny.tiny_config` (e.g. ``sliding_window``)."""
+    :func:`~moe_lora_compile.models.tiny.tiny_config` (e.g. ``sliding_window``). ``use_ops`` goes to ``attach``;
+    ``False`` here (unlike ``attach``'s default): the modules emit the reference, which the demo's pass fuses."""
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -65,7 +67,7 @@ def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, 
     torch.manual_seed(0)
     config = tiny_config(family, **(config_overrides or {}))
     base = AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=dtype)
-    model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank)
+    model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank, use_ops=use_ops)
     for seed, (name, rank) in enumerate(zip(ADAPTERS, ADAPTER_RANKS)):
         with warnings.catch_warnings():  # PEFT 0.21 calls a property transformers 5.x deprecated; not ours
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
