@@ -36,6 +36,8 @@ import torch
 import triton
 
 import moe_lora_compile  # noqa: F401  (registers torch.ops.moe_lora)
+from moe_lora_compile.ops.contract import NO_ADAPTER
+from moe_lora_compile.ops.layout import is_interleaved, is_transposed, split_gate_up, w13_shape, w2_shape
 from moe_lora_compile.shapes import BENCHMARK_GRID, MODELS, MoEGeometry
 
 # vLLM's fused MoE LoRA delta (w13 + w2 of one layer, LoRA only) on this H200, bf16, CUDA graphs (shared/FACTS.md):
@@ -72,10 +74,8 @@ class Layer:
 def make_layer(g: MoEGeometry, seed: int) -> Layer:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *s, std: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * std
-    if g.layout == "concat":
-        w13, w2 = rnd(g.E, 2 * g.I, g.H, std=g.H ** -0.5), rnd(g.E, g.H, g.I, std=g.I ** -0.5)
-    else:
-        w13, w2 = rnd(g.E, g.H, 2 * g.I, std=g.H ** -0.5), rnd(g.E, g.I, g.H, std=g.I ** -0.5)
+    w13 = rnd(*w13_shape(g.layout, g.E, g.H, g.I), std=g.H ** -0.5)
+    w2 = rnd(*w2_shape(g.layout, g.E, g.H, g.I), std=g.I ** -0.5)
     b13 = rnd(g.E, 2 * g.I, std=0.1) if g.bias else None
     b2 = rnd(g.E, g.H, std=0.1) if g.bias else None
     layer = Layer(g, w13, w2, b13, b2, None, {})
@@ -127,7 +127,7 @@ def make_batch(g: MoEGeometry, T: int, L: int, no_lora_fraction: float, seed: in
     weights = (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
     lora_ids = torch.randint(0, L, (T,), device="cuda", generator=gen, dtype=torch.int32)
     no_lora = torch.rand(T, device="cuda", generator=gen) < no_lora_fraction
-    lora_ids = torch.where(no_lora, -1, lora_ids).to(torch.int32)
+    lora_ids = torch.where(no_lora, NO_ADAPTER, lora_ids).to(torch.int32)
     return x, ids.to(torch.int32), weights, lora_ids
 
 
@@ -165,7 +165,7 @@ def unfused_layer(layer: Layer, lora, x, topk_ids, topk_weights, lora_ids):
     korder = torch.argsort(key)
     koffs = torch.cumsum(torch.histc(key.int(), bins=L * g.E, min=0, max=L * g.E - 1), 0).to(torch.int32)
     kmask = (key[korder] < L * g.E).to(x.dtype)[:, None]
-    transposed = g.layout != "concat"
+    transposed = is_transposed(g.layout)
     w13 = layer.w13 if transposed else layer.w13.transpose(1, 2)  # [E, H, 2I]
     w2 = layer.w2 if transposed else layer.w2.transpose(1, 2)  # [E, I, H]
 
@@ -183,12 +183,11 @@ def unfused_layer(layer: Layer, lora, x, topk_ids, topk_weights, lora_ids):
     h_pairs = h_pairs + lora_delta(x_pairs, a13, b13)
     if layer.w13_bias is not None:
         h_pairs = h_pairs + layer.w13_bias[experts]
-    if g.layout == "transposed_interleaved":
-        gate, up = h_pairs[:, 0::2], h_pairs[:, 1::2]
+    gate, up = split_gate_up(h_pairs, g.layout)
+    if is_interleaved(g.layout):  # GPT-OSS: its clamped swiglu
         gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
         act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
     else:
-        gate, up = h_pairs.chunk(2, dim=-1)
         act = torch.nn.functional.silu(gate) * up
     o = _grouped_mm(act[order].contiguous(), w2, offs)
     o_pairs = torch.empty_like(o)
@@ -245,7 +244,7 @@ def run(configs, sets: int, hbm_tbs: float, warmup_ms: int, rep_ms: int, columns
                                     warmup_ms, rep_ms)
         base_key = (c.model, c.T)
         if base_key not in base_cache:
-            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], -1)) for b in batches]
+            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], NO_ADAPTER)) for b in batches]
             base_cache[base_key] = {"base_us": time_graph(
                 [op_call(lay[s % 2], stacks[s], base_batches[s]) for s in range(sets)], warmup_ms, rep_ms)}
             if "hf" in columns and lay[0].hf is not None:
@@ -377,7 +376,7 @@ def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, wa
         lay = [make_layer(g, seed) for seed in (1, 2)]
         for T in tokens:
             batches = [make_batch(g, T, L, 0.0, seed=100 + s) for s in range(sets)]
-            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], -1)) for b in batches]
+            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], NO_ADAPTER)) for b in batches]
             for R in ranks:
                 t0 = time.time()
                 stacks = [lora_stacks(lay[s % 2], L, R) for s in range(sets)]

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from .ops.layout import w13_shape, w2_shape
 from .shapes import MODELS, MoEGeometry
 
 try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main() says so in one line)
@@ -43,9 +44,7 @@ PDL_CHOICES = (False, "late", "early")
 def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
-    transposed = g.layout != "concat"
-    w13 = rnd(g.E, g.H, 2 * g.I) if transposed else rnd(g.E, 2 * g.I, g.H)
-    w2 = rnd(g.E, g.I, g.H) if transposed else rnd(g.E, g.H, g.I)
+    w13, w2 = rnd(*w13_shape(g.layout, g.E, g.H, g.I)), rnd(*w2_shape(g.layout, g.E, g.H, g.I))
     lora = (rnd(L, g.E, R, g.H), rnd(L, g.E, 2 * g.I, R), rnd(L, g.E, R, g.I), rnd(L, g.E, g.H, R))
     x = rnd(T, g.H) * 20
     weights, ids = torch.topk(torch.rand(T, g.E, device="cuda", generator=gen), g.k, dim=-1)

@@ -8,6 +8,8 @@ import logging
 import torch
 
 import moe_lora_compile.ops  # noqa: F401  (registers torch.ops.moe_lora.*)
+from moe_lora_compile.ops.contract import NO_ADAPTER
+from moe_lora_compile.ops.layout import CONCAT
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
@@ -129,12 +131,12 @@ class MoELoRAExperts(TritonExperts):
         if ids.shape[0] >= T:
             ids = ids[:T]
         else:  # padded batch: the extra rows get no adapter
-            ids = torch.cat([ids, ids.new_full((T - ids.shape[0],), -1)])
+            ids = torch.cat([ids, ids.new_full((T - ids.shape[0],), NO_ADAPTER)])
         if apply_router_weight_on_input:  # the prepare step already scaled the input
             topk_weights = torch.ones_like(topk_weights)
         y = fused_moe_lora_op(
             hidden_states, topk_ids, topk_weights, ids, w1, w2,
-            *self._stacks, layout="concat", activation="silu",
+            *self._stacks, layout=CONCAT, activation="silu",
         )
         output.copy_(y.view(output.shape))
 

@@ -34,7 +34,8 @@ import torch
 import triton
 from torch import Tensor
 
-from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_interleaved, is_transposed
+from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
+from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
 from . import moe_kernels as K
 from .configs import get_config
@@ -92,7 +93,7 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
 def fused_moe_lora_triton(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, token_lora_ids: Tensor, w13: Tensor, w2: Tensor,
     lora_a13: Tensor, lora_b13: Tensor, lora_a2: Tensor, lora_b2: Tensor, *,
-    w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = "concat",
+    w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = CONCAT,
     activation: str = "silu", alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False, config: Optional[dict] = None,
 ) -> Tensor:
@@ -102,9 +103,8 @@ def fused_moe_lora_triton(
     ``"fuse_topk_sum"`` keys switch PDL and the fused w2 + top-k sum kernel)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
-    E = w13.shape[0]
+    E, _, I = expert_geometry(layout, w13.shape, w2.shape)
     L, R = lora_a13.shape[0], lora_a13.shape[2]
-    I = w2.shape[1] if is_transposed(layout) else w2.shape[2]
     if T == 0:
         return x.new_empty((0, H))
     cfg = config or get_config(x.device, E, H, I, R, T, top_k)
@@ -147,10 +147,7 @@ def fused_moe_lora_triton(
                          block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
                          cfg=cfg["shrink"], dtype=x.dtype, launch=chain.next(), counters=counters)
 
-    if is_transposed(layout):  # [E, H, 2I]: element (e, k, n)
-        w13_strides = (w13.stride(0), w13.stride(1), w13.stride(2))
-    else:  # [E, 2I, H]
-        w13_strides = (w13.stride(0), w13.stride(2), w13.stride(1))
+    w13_strides = in_out_strides(w13, layout)  # element (e, k, n): k over H, n over 2I
     bias13 = w13_bias if w13_bias is not None else x
     fuse_shrink2 = cfg.get("fuse_shrink2", cfg["per_pair"])
     if fuse_shrink2:  # shrink2 in w13's epilogue: one rank-vector slice per I column tile
@@ -186,10 +183,7 @@ def fused_moe_lora_triton(
                             block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg["shrink"],
                             dtype=x.dtype, launch=chain.next())
 
-    if is_transposed(layout):  # [E, I, H]
-        w2_strides = (w2.stride(0), w2.stride(1), w2.stride(2))
-    else:  # [E, H, I]
-        w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))
+    w2_strides = in_out_strides(w2, layout)  # element (e, k, n): k over I, n over H
     bias2 = w2_bias if w2_bias is not None else x
     K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2), split2)](
         act, act.stride(0), w2, *w2_strides, bias2, bias2.stride(0),
