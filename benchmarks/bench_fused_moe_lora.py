@@ -323,8 +323,8 @@ def targets(results) -> str:
 
 
 # --decode-ablation: (column, config overrides, per-pair configs only), each against the op's own config (tuned
-# entry or heuristic). Overrides use dotted keys for nested entries ("w13.SPLIT_K"). The launcher is called
-# directly so that one run can switch them per call.
+# entry or heuristic); overrides are MoEKernelConfig.replace changes (dotted for a kernel's field: "w13.SPLIT_K").
+# The launcher is called directly so that one run can switch them per call.
 NO_SPLIT = {"w13.SPLIT_K": 1, "w2.SPLIT_K": 1}
 ABLATION_VARIANTS = [
     ("nosplit", NO_SPLIT, False),                       # base GEMMs without split-K
@@ -341,19 +341,7 @@ ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "split13", "split2", "op_us"
                                         "best", "best_us", "best_vs_floor", "lora_overhead"]
 
 
-def with_overrides(cfg: dict, overrides: dict) -> dict:
-    """A copy of ``cfg`` with ``overrides`` applied; a dotted key ("w13.SPLIT_K") sets a nested entry."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    for key, value in overrides.items():
-        if "." in key:
-            outer, inner = key.split(".", 1)
-            out[outer][inner] = value
-        else:
-            out[key] = value
-    return out
-
-
-def launcher_call(layer: Layer, lora, batch, cfg: dict):
+def launcher_call(layer: Layer, lora, batch, cfg):
     from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton
     g = layer.geometry
     x, ids, w, lora_ids = batch
@@ -383,18 +371,17 @@ def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, wa
                 cfg = get_config(torch.device("cuda"), g.E, g.H, g.I, R, T, g.k)
 
                 def timed(overrides, bs=batches):
-                    c = with_overrides(cfg, overrides)
+                    c = cfg.replace(**overrides)
                     return time_graph([launcher_call(lay[s % 2], stacks[s], bs[s], c) for s in range(sets)],
                                       warmup_ms, rep_ms)
 
-                row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg["per_pair"] else "sorted",
-                       "split13": cfg["w13"].get("SPLIT_K", 1),
-                       "split2": cfg["w2"].get("SPLIT_K", 1) if cfg["per_pair"] else 1}
+                row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg.per_pair else "sorted",
+                       "split13": cfg.w13.SPLIT_K, "split2": cfg.w2.SPLIT_K if cfg.per_pair else 1}
                 row["op_us"] = time_graph([op_call(lay[s % 2], stacks[s], batches[s]) for s in range(sets)],
                                           warmup_ms, rep_ms)
                 for name, overrides, per_pair_only in ABLATION_VARIANTS:
-                    row[name] = None if per_pair_only and not cfg["per_pair"] else timed(overrides)
-                row["forced_per_pair"] = None if cfg["per_pair"] else timed(FORCED_PER_PAIR)
+                    row[name] = None if per_pair_only and not cfg.per_pair else timed(overrides)
+                row["forced_per_pair"] = None if cfg.per_pair else timed(FORCED_PER_PAIR)
                 row["base"] = timed({}, base_batches)
                 row["base_nosplit"] = timed(NO_SPLIT, base_batches)
                 nbytes = sum(bytes_moved(g, R, b) for b in batches) / sets

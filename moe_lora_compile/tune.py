@@ -15,7 +15,6 @@ shape key, after every (T, R), so a run cut short keeps what it tuned.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import pathlib
 import sys
@@ -29,7 +28,8 @@ from .shapes import MODELS, MoEGeometry
 try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main() says so in one line)
     import triton
 
-    from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
+    from .ops.triton.configs import (CONFIG_DIR, MoEKernelConfig, default_config, device_name, gpu_file_name,
+                                     read_table, shape_key, write_table)
     from .ops.triton.launch import fused_moe_lora_triton
 except ImportError as _error:
     triton = None
@@ -73,49 +73,43 @@ GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stage
           "shrink.SPLIT_K", "pdl")
 
 
-def _candidates(cfg: dict, T: int, g: MoEGeometry, group: str):
+def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
     """Variants of ``cfg`` along one coordinate ``group``."""
     if group == "mode":
         pairs = T * g.k
         if pairs <= 64:
-            yield dict(copy.deepcopy(cfg), per_pair=True, BLOCK_M=16)
+            yield cfg.replace(per_pair=True, BLOCK_M=16)
         for bm in (16, 32, 64, 128):
             if bm == 16 or pairs / g.E >= bm / 4:
-                yield dict(copy.deepcopy(cfg), per_pair=False, BLOCK_M=bm)
+                yield cfg.replace(per_pair=False, BLOCK_M=bm)
         return
     if group == "pdl":
         for value in PDL_CHOICES:
-            yield dict(copy.deepcopy(cfg), pdl=value)
+            yield cfg.replace(pdl=value)
         return
-    if group == "w2.SPLIT_K" and not cfg["per_pair"]:
+    if group == "w2.SPLIT_K" and not cfg.per_pair:
         return  # w2 split-K acts only on the per-pair path (inside the fused top-k sum)
     if group == "fuse_shrink2":
-        yield dict(copy.deepcopy(cfg), fuse_shrink2=not cfg.get("fuse_shrink2", cfg["per_pair"]))
+        yield cfg.replace(fuse_shrink2=not cfg.fuse_shrink2)
         return
     if group == "shrink.SPLIT_K":
         for split in SPLIT_K_CHOICES:
-            c = copy.deepcopy(cfg)
-            c["shrink"]["SPLIT_K"] = split
-            yield c
+            yield cfg.replace(**{"shrink.SPLIT_K": split})
         return
     kernel, key = group.split(".")
     for value in GEMM_CHOICES[key]:
-        c = copy.deepcopy(cfg)
         if key == "warps_stages":
-            c[kernel]["num_warps"], c[kernel]["num_stages"] = value
+            yield cfg.replace(**{f"{kernel}.num_warps": value[0], f"{kernel}.num_stages": value[1]})
         else:
-            c[kernel][key] = value
-        yield c
+            yield cfg.replace(**{group: value})
 
 
-def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: dict | None = None,
-             groups: tuple = GROUPS) -> tuple[dict, float, float]:
+def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig | None = None,
+             groups: tuple = GROUPS) -> tuple[MoEKernelConfig, float, float]:
     """-> (best config, its us, the starting config's us) for T tokens, rank R; ``start`` defaults to the
     heuristic config."""
     args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
-    best = copy.deepcopy(start) if start else default_config(g.E, g.H, g.I, R, T, g.k)
-    for kernel in ("w13", "w2"):  # explicit, so the equal SPLIT_K=1 candidate is skipped, not timed as "new"
-        best[kernel].setdefault("SPLIT_K", 1)
+    best = start or default_config(g.E, g.H, g.I, R, T, g.k)
     best_us = default_us = _time(args_sets, best)
     for group in groups:  # coordinate descent: each group varies the best config so far
         for cfg in _candidates(best, T, g, group):
@@ -156,7 +150,7 @@ def main(argv=None):
     device = torch.device("cuda")
     name = device_name(device)
     out = pathlib.Path(a.out) if a.out else CONFIG_DIR / gpu_file_name(name)
-    table = json.loads(out.read_text()) if out.exists() else {}
+    table = read_table(out)
     total = len(a.tokens) * len(a.ranks)
     step = 0
     for R in a.ranks:
@@ -170,9 +164,8 @@ def main(argv=None):
             entries[str(T)] = cfg
             print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us ({'shipped' if start else 'default'} "
                   f"{default_us:.1f} us) "
-                  f"in {time.time() - t0:.0f} s: {json.dumps(cfg)}", flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+                  f"in {time.time() - t0:.0f} s: {json.dumps(cfg.to_dict())}", flush=True)
+            write_table(out, table)
     print(f"wrote {out}")
     return 0
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_impl
-from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args, check_index_values
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_args, check_index_values
 from .layout import CONCAT
 from .reference import fused_moe_lora_reference
 from .autograd import frozen_input_error, recompute_grads
@@ -35,7 +35,7 @@ def _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b1
                               lora_b2, w13_bias, w2_bias, layout, activation)
     if values:
         check_index_values("topk_ids", topk_ids, 0, w13.shape[0])
-        check_index_values("token_lora_ids", token_lora_ids, -1, lora_a13.shape[0])
+        check_index_values("token_lora_ids", token_lora_ids, NO_ADAPTER, lora_a13.shape[0])
 
 
 @torch.library.custom_op("moe_lora::fused_moe_lora", mutates_args=())

@@ -35,8 +35,10 @@ def _refill(static_args, fresh_args):
 
 
 @pytest.fixture(params=["0", "1"], ids=["pdl-off", "pdl-on"])
-def pdl_env(request, monkeypatch):
-    monkeypatch.setenv("MOE_LORA_PDL", request.param)
+def pdl_env(request, set_switch):
+    from moe_lora_compile import settings
+
+    set_switch(settings.PDL, request.param)
     return request.param == "1"
 
 

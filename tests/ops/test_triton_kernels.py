@@ -7,12 +7,13 @@ CPU: the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` from confte
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import pytest
 import torch
 
+from moe_lora_compile.ops.triton.configs import GemmConfig, MoEKernelConfig, ShrinkConfig
 from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton
 from moe_lora_compile.ops.triton.routing import max_blocks, sort_pairs
 from moe_lora_compile.shapes import GPT_OSS_20B, QWEN3_30B_A3B
@@ -21,17 +22,17 @@ ALPHA, LIMIT = 1.702, 7.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Tiny tiles for the interpreter (about 5 ms per tl.dot step there).
-_GEMM = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 1}
-_SHRINK = {"BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
+_GEMM = GemmConfig(BLOCK_N=16, BLOCK_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=1)
+_SHRINK = ShrinkConfig(BLOCK_K=16, SPLIT_K=2, num_warps=4, num_stages=1)
 
 
 def tiny_config(per_pair: bool, fuse_shrink2: bool = False, fuse_topk_sum: bool = True, split13: int = 1,
-                split2: int = 1) -> dict:
+                split2: int = 1) -> MoEKernelConfig:
     """``fuse_topk_sum`` (per-pair mode, k > 1): the w2 kernel also sums the top-k, per 16-wide H tile (H=32/40:
     2/3 tiles, the last one masked at H=40). ``split13`` / ``split2``: split-K of the w13 / w2 GEMM (w2: per-pair
     top-k-sum path only), clamped to the number of 16-wide K steps."""
-    return {"per_pair": per_pair, "fuse_shrink2": fuse_shrink2, "fuse_topk_sum": fuse_topk_sum, "BLOCK_M": 16,
-            "w13": dict(_GEMM, SPLIT_K=split13), "w2": dict(_GEMM, SPLIT_K=split2), "shrink": dict(_SHRINK)}
+    return MoEKernelConfig(per_pair=per_pair, fuse_shrink2=fuse_shrink2, fuse_topk_sum=fuse_topk_sum, BLOCK_M=16,
+                           w13=replace(_GEMM, SPLIT_K=split13), w2=replace(_GEMM, SPLIT_K=split2), shrink=_SHRINK)
 
 
 PATHS = [
@@ -325,35 +326,56 @@ def test_split_k_is_deterministic_and_matches(k, split2):
     assert not _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=cfg)) & {"sum", "zero_", "fill_"}
 
 
-def test_pdl_switches(monkeypatch):
-    """PDL: config key over env var over default (late trigger); never on without a CUDA SM90+ device (here:
-    never); the launch chain compiles every kernel with USE_PDL=mode and launches all but the first as
-    dependents."""
+def test_pdl_switches(set_switch):
+    """PDL precedence: a config the caller passes, over MOE_LORA_PDL, over a tuned entry's key, over the default
+    (late trigger); never on without a CUDA SM90+ device (here: never); the launch chain compiles every kernel with
+    USE_PDL=mode and launches all but the first as dependents."""
+    from moe_lora_compile import settings
     from moe_lora_compile.ops.triton import pdl
-    monkeypatch.delenv(pdl.ENV_VAR, raising=False)
-    assert pdl.pdl_requested() == pdl.pdl_requested({}) == pdl.LATE
-    assert pdl.pdl_requested({"pdl": False}) == pdl.OFF and pdl.pdl_requested({"pdl": "early"}) == pdl.EARLY
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
-    assert pdl.pdl_requested() == pdl.pdl_requested({"pdl": None}) == pdl.OFF
-    assert pdl.pdl_requested({"pdl": True}) == pdl.LATE
-    for value, mode in (("1", pdl.LATE), ("late", pdl.LATE), ("EARLY", pdl.EARLY), ("off", pdl.OFF)):
-        monkeypatch.setenv(pdl.ENV_VAR, value)
-        assert pdl.pdl_requested() == mode
-    # a tuned entry's "pdl" (env_first) yields to the variable when it is set, not otherwise
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
-    assert pdl.pdl_requested({"pdl": "early"}, env_first=True) == pdl.OFF
-    monkeypatch.delenv(pdl.ENV_VAR)
-    assert pdl.pdl_requested({"pdl": "early"}, env_first=True) == pdl.EARLY
-    monkeypatch.setenv(pdl.ENV_VAR, "sometimes")
+    from moe_lora_compile.ops.triton.configs import requested_pdl
+    caller = lambda value: requested_pdl(value, passed_by_caller=True)  # noqa: E731
+    tuned = lambda value: requested_pdl(value, passed_by_caller=False)  # noqa: E731
+    set_switch(settings.PDL, None)
+    assert caller(None) == tuned(None) == pdl.PDL_LATE
+    assert caller(False) == pdl.PDL_OFF and caller("early") == pdl.PDL_EARLY
+    set_switch(settings.PDL, "0")
+    assert caller(None) == tuned(None) == pdl.PDL_OFF
+    assert caller(True) == pdl.PDL_LATE  # the caller's config wins over the variable
+    for value, mode in (("1", pdl.PDL_LATE), ("late", pdl.PDL_LATE), ("EARLY", pdl.PDL_EARLY), ("off", pdl.PDL_OFF)):
+        set_switch(settings.PDL, value)
+        assert caller(None) == mode
+    # a tuned entry's "pdl" yields to the variable when it is set, not otherwise
+    set_switch(settings.PDL, "0")
+    assert tuned("early") == pdl.PDL_OFF
+    set_switch(settings.PDL, None)
+    assert tuned("early") == pdl.PDL_EARLY
+    set_switch(settings.PDL, "sometimes")
     with pytest.raises(ValueError, match="PDL setting"):
-        pdl.pdl_requested()
+        caller(None)
+    with pytest.raises(ValueError, match="PDL setting"):  # a bad config value fails when the config is made
+        tiny_config(True).replace(pdl="sometimes")
+    set_switch(settings.PDL, None)
     assert not pdl.pdl_supported(torch.device("cpu")) and pdl.use_pdl(torch.device("cpu"), {"pdl": True}) == 0
     if DEVICE == "cpu":  # the interpreter never uses PDL, whatever the device
         assert pdl.use_pdl(torch.device("cuda"), {"pdl": True}) == 0
-    on = pdl.LaunchChain(pdl.LATE)
+        assert pdl.supported_mode(torch.device("cuda"), pdl.PDL_LATE) == pdl.PDL_OFF
+    on = pdl.LaunchChain(pdl.PDL_LATE)
     assert [on.next(), on.next(), on.next()] == [{"USE_PDL": 2}] + [{"USE_PDL": 2, "launch_pdl": True}] * 2
-    off = pdl.LaunchChain(pdl.OFF)
+    off = pdl.LaunchChain(pdl.PDL_OFF)
     assert [off.next(), off.next()] == [{"USE_PDL": 0}] * 2
+
+
+def test_hot_path_switches_are_read_once(set_switch, monkeypatch):
+    """MOE_LORA_PDL is read at its first use and kept: changing the environment later changes nothing until
+    settings.reload()."""
+    from moe_lora_compile import settings
+    from moe_lora_compile.ops.triton.configs import requested_pdl
+    set_switch(settings.PDL, "early")
+    assert requested_pdl(None, passed_by_caller=True) == 1
+    monkeypatch.setenv(settings.PDL.name, "0")  # not re-read
+    assert requested_pdl(None, passed_by_caller=True) == 1
+    settings.reload()
+    assert requested_pdl(None, passed_by_caller=True) == 0
 
 
 def test_pdl_requested_without_support_is_ignored():
@@ -362,7 +384,7 @@ def test_pdl_requested_without_support_is_ignored():
     for per_pair in (False, True):
         cfg = tiny_config(per_pair, per_pair)
         y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
-        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=True))
         torch.testing.assert_close(y_pdl, y, rtol=0, atol=0)
 
 
@@ -424,7 +446,7 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
             b[slot, :, rank:] = 0
         ids = torch.tensor([0, 1, 2, -1, 2, 1, 0, -1, 1], dtype=torch.int32)
     b_vec = torch.randn(n_out, generator=g) if bias else None
-    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK, per_token=per_token)}
+    cfg = {"BLOCK_M": 16, "gemm": asdict(_GEMM), "shrink": dict(asdict(_SHRINK), per_token=per_token)}
     y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)),
                            bias=None if b_vec is None else b_vec.to(DEVICE), config=cfg)
     ref = x.double() @ weight.double().T
@@ -489,7 +511,7 @@ def test_lora_linear_nonfinite_slot_stays_in_its_rows():
     ref = torch.stack([x[t].double() @ weight.double().T + (b[i].double() @ (a[i].double() @ x[t].double())
                                                             if i >= 0 else 0) for t, i in enumerate(_POISON_IDS)])
     b[1, 0, 0] = float("inf")
-    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK)}
+    cfg = {"BLOCK_M": 16, "gemm": asdict(_GEMM), "shrink": asdict(_SHRINK)}
     y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)), config=cfg).cpu().double()
     others = ids != 1
     torch.testing.assert_close(y[others], ref[others], rtol=1e-4, atol=1e-4)
@@ -563,12 +585,12 @@ def test_gpu_pdl_and_topk_sum_variants_agree(geometry, T):
     args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
     ref = expert_loop_reference(*args, **kwargs)
     base = get_config(args[0].device, c.E, c.H, c.I, c.R, T, c.k)
-    variants = [dict(base, per_pair=True, fuse_shrink2=True, fuse_topk_sum=fuse) for fuse in (True, False)]
+    variants = [base.replace(per_pair=True, fuse_shrink2=True, fuse_topk_sum=fuse) for fuse in (True, False)]
     if T > 1:
-        variants.append(dict(base, per_pair=False))
+        variants.append(base.replace(per_pair=False))
     for cfg in variants:
-        y_off = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
-        y_on = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        y_off = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=False))
+        y_on = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=True))
         torch.cuda.synchronize()
         assert torch.equal(y_on, y_off), cfg
         assert y_on.dtype == torch.bfloat16 and y_on.shape == (T, c.H)
@@ -586,12 +608,12 @@ def test_gpu_split_k_variants_agree(geometry, T, per_pair):
     args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
     ref = expert_loop_reference(*args, **kwargs)
     base = get_config(args[0].device, c.E, c.H, c.I, c.R, T, c.k)
-    base = dict(base, per_pair=per_pair, fuse_shrink2=per_pair, BLOCK_M=16)
+    base = base.replace(per_pair=per_pair, fuse_shrink2=per_pair, BLOCK_M=16)
     for split13, split2 in ((1, 1), (3, 1), (8, 2), (2, 4)):
-        cfg = dict(base, w13=dict(base["w13"], SPLIT_K=split13), w2=dict(base["w2"], SPLIT_K=split2))
-        y = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
-        y_again = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
-        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        cfg = base.replace(**{"w13.SPLIT_K": split13, "w2.SPLIT_K": split2})
+        y = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=False))
+        y_again = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=False))
+        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=True))
         torch.cuda.synchronize()
         assert torch.equal(y, y_again) and torch.equal(y, y_pdl), (split13, split2)
         assert _rel_err(y, ref) < 1e-2, (split13, split2)
@@ -618,7 +640,7 @@ def test_gpu_new_token_count_does_not_recompile():
         if cfg is None:
             from moe_lora_compile.ops.triton.configs import default_config
             cfg = default_config(c.E, c.H, c.I, c.R, T, c.k)
-            cfg_pp = dict(cfg, per_pair=True, fuse_shrink2=True, fuse_topk_sum=True)
+            cfg_pp = cfg.replace(per_pair=True, fuse_shrink2=True, fuse_topk_sum=True)
             fused_moe_lora_triton(*args, **kwargs, config=cfg)
             fused_moe_lora_triton(*(a[:4] for a in args[:4]), *args[4:], **kwargs, config=cfg_pp)
             before = [_kernel_cache_size(k) for k in kernels]
@@ -671,40 +693,55 @@ def test_tuner_coordinates():
     g = QWEN3_30B_A3B
     per_pair = configs.default_config(g.E, g.H, g.I, 16, 1, g.k)
     sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k)
-    assert [c["w13"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
-    assert [c["w2"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w2.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert [c.w13.SPLIT_K for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert [c.w2.SPLIT_K for c in tune._candidates(per_pair, 1, g, "w2.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert all(c.replace(**{"w13.SPLIT_K": 1}) == per_pair for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K"))
     assert list(tune._candidates(sorted_cfg, 512, g, "w2.SPLIT_K")) == []
     pdl = list(tune._candidates(per_pair, 1, g, "pdl"))
-    assert [c["pdl"] for c in pdl] == [False, "late", "early"]
-    assert all({k: v for k, v in c.items() if k != "pdl"} == per_pair for c in pdl)
+    assert [c.pdl for c in pdl] == [False, "late", "early"]
+    assert all(c.replace(pdl=None) == per_pair for c in pdl)
     assert set(tune.GROUPS) >= {"w13.SPLIT_K", "w2.SPLIT_K", "pdl"}
 
 
 def test_config_lookup_buckets_and_fallback(monkeypatch):
     """Tuned entry of the largest T bucket <= T (smallest below all), nearest tuned rank, heuristic otherwise."""
     from moe_lora_compile.ops.triton import configs
-    tuned = {configs.shape_key(8, 64, 32, 16): {"1": {"tag": "T1"}, "32": {"tag": "T32"}}}
+    heuristic = configs.default_config(8, 64, 32, 16, 1, 2)
+    t1, t32 = heuristic.replace(BLOCK_M=32), heuristic.replace(BLOCK_M=64)  # two entries told apart by BLOCK_M
+    tuned = {configs.shape_key(8, 64, 32, 16): {"1": t1, "32": t32}}
     monkeypatch.setattr(configs, "_load", lambda name: tuned)
     cpu = torch.device("cpu")
-    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2)["tag"] == "T1"
-    assert configs.get_config(cpu, 8, 64, 32, 16, 31, 2)["tag"] == "T1"
-    assert configs.get_config(cpu, 8, 64, 32, 16, 4096, 2)["tag"] == "T32"
-    assert configs.get_config(cpu, 8, 64, 32, 64, 32, 2)["tag"] == "T32"  # R=64 bucket missing: nearest rank
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2) == t1
+    assert configs.get_config(cpu, 8, 64, 32, 16, 31, 2) == t1
+    assert configs.get_config(cpu, 8, 64, 32, 16, 4096, 2) == t32
+    assert configs.get_config(cpu, 8, 64, 32, 64, 32, 2) == t32  # R=64 bucket missing: nearest rank
     fallback = configs.get_config(cpu, 8, 128, 32, 16, 1, 2)  # other layer shape: heuristic
-    assert fallback == configs.default_config(8, 128, 32, 16, 1, 2) and fallback["per_pair"]
+    assert fallback == configs.default_config(8, 128, 32, 16, 1, 2) and fallback.per_pair
 
 
 def test_shipped_configs_are_complete():
-    """Every shipped JSON entry has the keys the launcher reads."""
+    """Every shipped JSON entry parses as a MoEKernelConfig (every key the launcher reads, none it does not know)
+    and survives a round trip through its JSON form."""
     import json
 
-    from moe_lora_compile.ops.triton.configs import CONFIG_DIR
+    from moe_lora_compile.ops.triton.configs import CONFIG_DIR, read_table
     files = sorted(CONFIG_DIR.glob("*.json"))
     assert files
     for path in files:
-        for buckets in json.loads(path.read_text()).values():
+        table = read_table(path)
+        assert sum(map(len, table.values())) == sum(map(len, json.loads(path.read_text()).values()))
+        for buckets in table.values():
             for cfg in buckets.values():
-                assert {"per_pair", "BLOCK_M", "w13", "w2", "shrink"} <= cfg.keys()
-                for kernel in ("w13", "w2"):
-                    assert {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages"} <= cfg[kernel].keys()
-                assert {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"} <= cfg["shrink"].keys()
+                assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_config_from_dict_names_bad_keys():
+    """The dict form: unknown or missing keys are a ValueError naming them; defaults fill the optional keys."""
+    d = tiny_config(True).to_dict()
+    assert MoEKernelConfig.from_dict(d) == tiny_config(True)
+    with pytest.raises(ValueError, match=r"unknown keys \['BLOCK_Q'\]"):
+        MoEKernelConfig.from_dict(dict(d, BLOCK_Q=4))
+    with pytest.raises(ValueError, match=r"missing keys \['BLOCK_N'\]"):
+        MoEKernelConfig.from_dict(dict(d, w13={k: v for k, v in d["w13"].items() if k != "BLOCK_N"}))
+    minimal = {k: v for k, v in d.items() if k in ("per_pair", "BLOCK_M", "w13", "w2", "shrink")}
+    assert MoEKernelConfig.from_dict(minimal).fuse_shrink2 is True  # default: per_pair
