@@ -533,7 +533,7 @@ def test_gpu_opcheck(case):
 def test_tuner_coordinates():
     """The tuner's split-K and PDL coordinates: w2 split-K only on the per-pair path; every candidate differs
     from the config it varies in that coordinate alone."""
-    from moe_lora_compile import tune
+    from moe_lora_compile.ops.triton import tune
     from moe_lora_compile.ops.triton import configs
     g = QWEN3_30B_A3B
     per_pair = configs.default_config(g.E, g.H, g.I, 16, 1, g.k)

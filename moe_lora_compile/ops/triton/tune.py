@@ -1,9 +1,9 @@
 """Tune the fused MoE multi-LoRA kernels for one model on this GPU and write the configs JSON.
 
-    python -m moe_lora_compile.tune --model qwen3-30b-a3b --tokens 1 8 32 128 512 2048 --ranks 16 \
+    python -m moe_lora_compile tune --model qwen3-30b-a3b --tokens 1 8 32 128 512 2048 --ranks 16 \
         [--out moe_lora_compile/configs/NVIDIA_H200.json]
 
-Coordinate descent from the heuristic default (:func:`.ops.triton.configs.default_config`), or with
+Coordinate descent from the heuristic default (:func:`.configs.default_config`), or with
 ``--start shipped`` from the entry already in the file: routing mode and BLOCK_M, whether the w2 shrink is fused
 into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's split-K, then PDL (off / late /
 early); ``--groups`` limits the search to some of these coordinates (names in ``GROUPS``). Each candidate is timed
@@ -22,19 +22,20 @@ import time
 
 import torch
 
-from .ops.layout import w13_shape, w2_shape
-from .shapes import MODELS, MoEGeometry
+from ...shapes import MODELS, MoEGeometry
+from ..layout import w13_shape, w2_shape
 
 try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main() says so in one line)
     import triton
 
-    from .ops.triton.configs import (CONFIG_DIR, MoEKernelConfig, default_config, device_name, gpu_file_name,
-                                     read_table, shape_key, write_table)
-    from .ops.triton.launch import fused_moe_lora_triton
+    from .configs import (CONFIG_DIR, MoEKernelConfig, default_config, device_name, gpu_file_name, read_table,
+                          shape_key, write_table)
+    from .launch import fused_moe_lora_triton
 except ImportError as _error:
     triton = None
     _TRITON_ERROR = str(_error)
 
+PROG = "moe-lora-compile tune"
 GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stages": ((4, 3), (4, 4), (8, 3), (4, 2)),
                 "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
 SPLIT_K_CHOICES = (1, 4, 8, 16)
@@ -127,7 +128,7 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048])
     p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
@@ -139,11 +140,11 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
-        print(f"moe_lora_compile.tune: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not "
+        print(f"{PROG}: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not "
               f"available ({build})", file=sys.stderr)
         return 2
     if triton is None:
-        print(f"moe_lora_compile.tune: error: triton is not installed ({_TRITON_ERROR}); "
+        print(f"{PROG}: error: triton is not installed ({_TRITON_ERROR}); "
               "pip install 'triton>=3.6'", file=sys.stderr)
         return 2
     g = MODELS[a.model]
