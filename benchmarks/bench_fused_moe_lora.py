@@ -43,8 +43,8 @@ from moe_layer import (Layer, bytes_moved, fmt, lora_stacks, make_batch, make_la
                        unfused_layer)
 from moe_lora_compile.shapes import BENCHMARK_GRID, MODELS
 
-# vLLM's fused MoE LoRA delta (w13 + w2 of one layer, LoRA only) on this H200, bf16, CUDA graphs (shared/FACTS.md):
-# (model, T, L, R) -> us.
+# vLLM's fused MoE LoRA delta (w13 + w2 of one layer, LoRA only) on this H200, bf16, CUDA graphs (measured with
+# vLLM ~0.22's kernels, outside this repository: vLLM does not install in the GPU image): (model, T, L, R) -> us.
 VLLM_LORA_DELTA_US = {
     ("gpt-oss-20b", 1, 4, 16): 52, ("gpt-oss-20b", 1, 4, 64): 123, ("gpt-oss-20b", 32, 16, 64): 172,
     ("gpt-oss-20b", 512, 4, 16): 156, ("gpt-oss-20b", 512, 16, 64): 728,

@@ -1,7 +1,7 @@
 """The Triton kernels of ``fused_moe_lora`` and ``lora_linear`` against the float64 oracle (``tests/support``).
 
 CPU: the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` from conftest) in float32 at tiny shapes with
-16-wide blocks (the interpreter's bf16 is wrong, see FACTS.md). GPU (``-m gpu``): bf16 at the real shapes of
+16-wide blocks (the interpreter's bf16 is wrong: triton-lang/triton#11584). GPU (``-m gpu``): bf16 at the real shapes of
 :mod:`moe_lora_compile.shapes`, the op through ``torch.ops``, opcheck, and no Triton recompile for a new T.
 """
 

@@ -405,6 +405,9 @@ def moe_w13_kernel(
         tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r_mask[None, :])
 
 
+# moe_w2_kernel is also lora_linear's GEMM: MODE=DENSE runs it with one expert (W [out, in] through a zero expert
+# stride) on token rows (launch.lora_linear_triton); the name says what it is for the MoE layer, the alias what it
+# is for a dense layer.
 @triton.jit(do_not_specialize=["num_pairs", "grid_m"])
 def moe_w2_kernel(
     in_ptr, stride_in, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
@@ -492,3 +495,5 @@ def moe_w2_kernel(
                     y += tl.sum(part, axis=0)
             tl.store(y_ptr + tok.to(tl.int64) * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
+
+lora_gemm_kernel = moe_w2_kernel  # the same kernel: GEMM + LoRA expand (+ bias, routing weight) of any row block
