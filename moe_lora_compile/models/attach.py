@@ -380,15 +380,17 @@ class MultiLoRAModel(nn.Module):
 
 
 def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,
-           use_ops: bool = False, target_modules: Optional[Sequence[str]] = None,
+           use_ops: bool = True, target_modules: Optional[Sequence[str]] = None,
            fuse_qkv: bool = False, fuse: Union[bool, str, Sequence[str]] = False) -> MultiLoRAModel:
     """Prepare a transformers causal LM (modified in place) for multi-LoRA serving.
 
     Routes its MoE experts through our experts implementation and wraps its dense LoRA targets (the family's
     attention / MLP / shared-expert linears, or the leaf names in ``target_modules``) with slot buffers of
-    ``max_loras`` adapters of rank up to ``max_rank``. By default they call the traceable references
-    (``moe_lora_compile.ops.reference``), which the compile pass turns into the fused ops; ``use_ops=True`` calls
-    ``torch.ops.moe_lora.*`` directly (eager GPU use). Move the model to its device and dtype first. The base
+    ``max_loras`` adapters of rank up to ``max_rank``. By default (``use_ops=True``) they call
+    ``torch.ops.moe_lora.*`` directly: the Triton kernels on CUDA, eager or compiled (the ops are opaque to
+    ``torch.compile``, no pass needed), the reference impls on the CPU. ``use_ops=False`` emits the plain-PyTorch
+    references (``moe_lora_compile.ops.reference``, the definition of correctness) instead, which the compile pass
+    turns back into the fused ops (what the pass's tests and the demo exercise). Move the model to its device and dtype first. The base
     model's parameters are frozen (``requires_grad=False``): the ops take no gradient for base weights, and a model
     fresh from ``from_pretrained`` would otherwise make ``mm(...)`` outside ``torch.no_grad()`` an error.
 

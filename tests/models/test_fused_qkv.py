@@ -40,7 +40,8 @@ def _adapter(family, base, path, seed, r):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
-    """(unfused, fused) attached copies of one tiny model with adapters a (r=4) and b (r=8) loaded; c saved."""
+    """(unfused, fused) attached copies of one tiny model with adapters a (r=4) and b (r=8) loaded; c saved. On the
+    reference path (``use_ops=False``): the tests count its calls and compile it; the ops path has its own test."""
     family = request.param
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
@@ -49,7 +50,7 @@ def pair(request, tmp_path_factory):
         _adapter(family, base, root / name, seed, r)
     models = []
     for fuse in (False, True):
-        mm = attach(copy.deepcopy(base), max_loras=3, max_rank=MAX_RANK, fuse_qkv=fuse)
+        mm = attach(copy.deepcopy(base), max_loras=3, max_rank=MAX_RANK, fuse_qkv=fuse, use_ops=False)
         mm.load_adapter("a", root / "a")
         mm.load_adapter("b", root / "b")
         models.append(mm)

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from loop_reference import MoECase
-from test_lora_linear import make_linear
+from support.cases import MoECase, make_linear
 
 import moe_lora_compile as mlc
 

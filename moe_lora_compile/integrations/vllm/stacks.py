@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ...ops.contract import NO_ADAPTER
+from ...ops.layout import CONCAT
 
 _PACKED_ATTR = "_moe_lora_op_stacks"  # set on vLLM's gate A tensor once its 2-D stacks are re-seated
 _WATCHED_ATTR = "_moe_lora_unmapped_rows_cleared"  # set on a punica wrapper once its update is wrapped
@@ -164,7 +165,7 @@ def experts_forward(output: Tensor, hidden_states: Tensor, w13: Tensor, w2: Tens
     op = torch.ops.moe_lora.fused_moe_lora if op is None else op
     if weights_on_input:
         topk_weights = torch.ones_like(topk_weights)
-    y = op(hidden_states, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, layout="concat",
+    y = op(hidden_states, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, layout=CONCAT,
            activation="silu")
     adopt_or_copy(output, y)
     return output
