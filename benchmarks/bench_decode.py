@@ -36,6 +36,7 @@ from collections import defaultdict
 import torch
 
 import moe_lora_compile as mlc
+from moe_lora_compile import settings
 from moe_lora_compile.graphs import DecodeGraphs
 from moe_lora_compile.shapes import DECODE_MODELS
 
@@ -220,7 +221,8 @@ def _category(name: str, parent_ops: list[str], shapes) -> str:
 
 def profile_step(graphs: DecodeGraphs, input_ids, adapters, model, steps: int = 5) -> dict:
     """Kernel time per step (ms) by category, from a profile of ``steps`` compiled steps run outside the CUDA graph
-    (kernels attributed to the op that launched them; Inductor's generated kernels by their names)."""
+    (kernels attributed to the op that launched them; Inductor's generated kernels by their names), with the ops'
+    id checks off as in the captured graph; plus the 25 costliest kernels and the launches per step."""
     from torch.profiler import ProfilerActivity, profile
 
     cfg = model.config
@@ -229,6 +231,10 @@ def profile_step(graphs: DecodeGraphs, input_ids, adapters, model, steps: int = 
     token = logits.argmax(-1)
     use_graphs = graphs.use_graphs
     graphs.use_graphs = False  # the same compiled step, launched op by op so kernels map to their ops
+    # the ops' id checks are off while a graph is captured: turn them off here too, so the profile is the graph's
+    checks = os.environ.get(settings.CHECK_IDS.name)
+    os.environ[settings.CHECK_IDS.name] = "0"
+    settings.reload()
     try:
         token = graphs.step(state, token[:, None])[:, -1].argmax(-1)  # warm
         sync(input_ids.device)
@@ -238,6 +244,11 @@ def profile_step(graphs: DecodeGraphs, input_ids, adapters, model, steps: int = 
             sync(input_ids.device)
     finally:
         graphs.use_graphs = use_graphs
+        if checks is None:
+            del os.environ[settings.CHECK_IDS.name]
+        else:
+            os.environ[settings.CHECK_IDS.name] = checks
+        settings.reload()
     times = defaultdict(float)
     per_kernel = defaultdict(lambda: [0, 0.0])  # name -> [launches, us] over the profiled steps
     for evt in prof.events():

@@ -14,6 +14,7 @@ alternative kernel configs per shape at T = 1 and 8 (column tile x K step x spli
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -96,8 +97,8 @@ def main(argv=None) -> int:
                     for bn in (32, 64, 128):
                         for bk in (128, 256):
                             for split in (1, 2, 4, 8):
-                                cfg = json.loads(json.dumps(base_cfg))
-                                cfg["gemm"].update(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+                                cfg = base_cfg.replace(**{"gemm.BLOCK_N": bn, "gemm.BLOCK_K": bk,
+                                                          "gemm.SPLIT_K": split})
                                 key = f"n{bn}k{bk}x{split}"
                                 try:
                                     alts[key] = graph_time_us(
@@ -105,7 +106,8 @@ def main(argv=None) -> int:
                                 except Exception:  # a config that does not compile (shared memory)
                                     alts[key] = float("nan")
                     best = min(alts, key=lambda k: alts[k] if alts[k] == alts[k] else 1e9)
-                    row.update(best_config=best, best_us=alts[best], default_config=base_cfg["gemm"], configs=alts)
+                    row.update(best_config=best, best_us=alts[best], default_config=dataclasses.asdict(base_cfg.gemm),
+                               configs=alts)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

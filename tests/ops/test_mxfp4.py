@@ -5,7 +5,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from loop_reference import TOLERANCES, MoECase, moe_lora_loop
+from support.cases import TOLERANCES, MoECase
+from support.oracle import moe_lora_oracle
 
 import moe_lora_compile as mlc
 from moe_lora_compile.models.mxfp4_gpt_oss import GptOssMxfp4Experts, build_mxfp4_gpt_oss
@@ -193,7 +194,7 @@ def test_mxfp4_reference_equals_reference_on_dequantized_weights(case):
     dense = (*args[:4], w13.dequantize(torch.float32), w2.dequantize(torch.float32), *args[6:])
     assert torch.equal(y, fused_moe_lora_reference(*dense, **kwargs))
     assert torch.equal(y, mlc.fused_moe_lora(*dense, **kwargs))
-    torch.testing.assert_close(y.double(), moe_lora_loop(*dense, **kwargs), **TOLERANCES[case.dtype])
+    torch.testing.assert_close(y.double(), moe_lora_oracle(*dense, **kwargs), **TOLERANCES[case.dtype])
 
 
 def test_mxfp4_reference_is_not_the_float_weights():

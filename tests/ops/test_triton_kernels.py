@@ -329,15 +329,15 @@ def test_default_linear_config(T, n_in, n_out, block_n):
     from moe_lora_compile.ops.triton.launch import default_linear_config
 
     cfg = default_linear_config(T, n_in, n_out, num_sms=132)
-    gemm = cfg["gemm"]
-    assert gemm["BLOCK_N"] == block_n
-    assert cfg["shrink"]["per_token"] == (T <= 64)
+    gemm = cfg.gemm
+    assert gemm.BLOCK_N == block_n
+    assert cfg.per_token == (T <= 64)
     if T <= 64:
-        assert T * cfg["shrink"]["SPLIT_K"] >= 132 or cfg["shrink"]["SPLIT_K"] == -(-n_in // 128)
-        programs = -(-T // cfg["BLOCK_M"]) * -(-n_out // block_n) * gemm["SPLIT_K"]
-        assert programs >= 2 * 132 or gemm["SPLIT_K"] in (1, -(-n_in // (2 * gemm["BLOCK_K"])))
+        assert T * cfg.shrink.SPLIT_K >= 132 or cfg.shrink.SPLIT_K == -(-n_in // 128)
+        programs = -(-T // cfg.BLOCK_M) * -(-n_out // block_n) * gemm.SPLIT_K
+        assert programs >= 2 * 132 or gemm.SPLIT_K in (1, -(-n_in // (2 * gemm.BLOCK_K)))
     else:
-        assert gemm["SPLIT_K"] == 1
+        assert gemm.SPLIT_K == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------

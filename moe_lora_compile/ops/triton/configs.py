@@ -79,13 +79,7 @@ class ShrinkConfig:
 
     @classmethod
     def of(cls, value: Union["ShrinkConfig", dict], what: str = "shrink config") -> "ShrinkConfig":
-        """Also takes the dict form (``lora_linear``'s :func:`.launch.default_linear_config` gives one; its extra
-        ``per_token`` key is the dense launcher's and is ignored here)."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            value = {k: v for k, v in value.items() if k != "per_token"}
-        return _from_dict(cls, value, what)
+        return value if isinstance(value, cls) else _from_dict(cls, value, what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +142,52 @@ class MoEKernelConfig:
                 kernel, field = key.split(".", 1)
                 inner = top.get(kernel, getattr(self, kernel))
                 top[kernel] = dataclasses.replace(inner, **{field: value})
+        return dataclasses.replace(self, **top)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearKernelConfig:
+    """How ``lora_linear_triton`` launches (see :func:`.launch.lora_linear_triton`): ``BLOCK_M`` token rows per
+    program; ``gemm``: the GEMM with the LoRA expand in its epilogue (``SPLIT_K`` > 1: K slices, the last program of
+    a tile sums them); ``shrink``: the LoRA shrink; ``per_token``: the per-token shrink (decode-sized batches,
+    :mod:`.dense_kernels`) instead of the block shrink; ``pdl``: see :func:`requested_pdl`.
+
+    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "pdl"}`` (``per_token`` may also sit in
+    ``shrink``, as older configs have it)."""
+
+    BLOCK_M: int
+    gemm: GemmConfig
+    shrink: ShrinkConfig
+    per_token: bool = False
+    pdl: PdlSetting = None
+
+    def __post_init__(self):
+        if self.pdl is not None:
+            parse_pdl(self.pdl)
+
+    @classmethod
+    def of(cls, value: Union["LinearKernelConfig", dict]) -> "LinearKernelConfig":
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"config must be a dict or a LinearKernelConfig, got {type(value).__name__}")
+        fields = dict(value)
+        shrink = dict(fields.get("shrink", {}))
+        if "per_token" in shrink:
+            fields.setdefault("per_token", shrink.pop("per_token"))
+        if "gemm" in fields:
+            fields["gemm"] = GemmConfig.of(fields["gemm"], "config['gemm']")
+        if "shrink" in fields:
+            fields["shrink"] = ShrinkConfig.of(shrink, "config['shrink']")
+        return _from_dict(cls, fields, "config")
+
+    def replace(self, **changes: Any) -> "LinearKernelConfig":
+        """A copy with ``changes``; dotted names change one kernel's field: ``cfg.replace(**{"gemm.SPLIT_K": 4})``."""
+        top = {k: v for k, v in changes.items() if "." not in k}
+        for key, value in changes.items():
+            if "." in key:
+                kernel, field = key.split(".", 1)
+                top[kernel] = dataclasses.replace(top.get(kernel, getattr(self, kernel)), **{field: value})
         return dataclasses.replace(self, **top)
 
 

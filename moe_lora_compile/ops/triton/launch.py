@@ -40,8 +40,8 @@ from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
 from . import moe_kernels as K
-from .configs import MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
-from .pdl import LaunchChain, supported_mode, use_pdl
+from .configs import GemmConfig, LinearKernelConfig, MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
+from .pdl import LaunchChain, supported_mode
 from .routing import sort_pairs
 
 _ACTIVATION_IDS = {"silu": K.SILU, "gptoss_swiglu": K.GPTOSS_SWIGLU}
@@ -221,12 +221,12 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> dict:
+def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> LinearKernelConfig:
     """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: 64-wide
     column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two programs per SM
     stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way. Larger batches:
     64x64 tiles, block shrink, no split."""
-    small = T <= 64
+    small = T <= ROWS_SHRINK_MAX_T
     block_m = 16 if small else 64
     grid_m = triton.cdiv(T, block_m)
     block_n = 64 if (not small or n_out >= 1024) else 32
@@ -236,73 +236,76 @@ def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: 
         tiles = grid_m * triton.cdiv(n_out, block_n)
         split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(n_in, 2 * block_k)))
     rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
-    return {"BLOCK_M": block_m,
-            "gemm": {"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_SIZE_M": 8, "num_warps": 4,
-                     "num_stages": 4 if small else 3, "SPLIT_K": split_k},
-            "shrink": {"BLOCK_K": 128 if small else 64, "SPLIT_K": rows_split if small else 1, "num_warps": 4,
-                       "num_stages": 2, "per_token": small}}
+    return LinearKernelConfig(
+        BLOCK_M=block_m, per_token=small,
+        gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=8, num_warps=4,
+                        num_stages=4 if small else 3, SPLIT_K=split_k),
+        shrink=ShrinkConfig(BLOCK_K=128 if small else 64, SPLIT_K=rows_split if small else 1, num_warps=4,
+                            num_stages=2))
 
 
-def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg, launch, counters):
+def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg: ShrinkConfig, launch, counters):
     """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T); zeroes
     ``counters`` (int32) on the way."""
     T, n_in = x.shape
-    block_k = _tile(cfg["BLOCK_K"], n_in)
-    split_k, k_per_split, even_k = _k_split(n_in, block_k, cfg["SPLIT_K"])
+    block_k = _tile(cfg.BLOCK_K, n_in)
+    split_k, k_per_split, even_k = _k_split(n_in, block_k, cfg.SPLIT_K)
     s = torch.empty((split_k, rows, R), dtype=torch.float32, device=x.device)
     zero = counters.numel() > 0
     DK.lora_shrink_rows_kernel[(T, split_k)](
-        x, x.stride(0), a, a.stride(0), a.stride(1), s, s.stride(0), token_lora_ids, T, n_in, R, k_per_split,
-        counters if zero else token_lora_ids, counters.numel(),
-        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, ZERO_COUNTERS=zero, num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **launch)
+        x_ptr=x, stride_x=x.stride(0), a_ptr=a, stride_al=a.stride(0), stride_ar=a.stride(1), s_ptr=s,
+        split_stride=s.stride(0), token_lora_ptr=token_lora_ids, T=T, K=n_in, R=R, k_per_split=k_per_split,
+        counter_ptr=counters if zero else None, num_counters=counters.numel(),
+        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, ZERO_COUNTERS=zero, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch)
     return s
 
 
 def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, *,
-                       bias: Optional[Tensor] = None, config: Optional[dict] = None) -> Tensor:
+                       bias: Optional[Tensor] = None,
+                       config: Union[LinearKernelConfig, dict, None] = None) -> Tensor:
     """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
-    -> y [T, out] in x.dtype. Two launches: shrink (per token for decode-sized batches, config
-    ``shrink.per_token``; else per block of BLOCK_M tokens), then the GEMM with the expand in its epilogue
-    (:func:`.dense_kernels.lora_linear_kernel`, split-K ``gemm.SPLIT_K`` with an in-kernel sum; the shrink zeroes
-    its arrival counters)."""
+    -> y [T, out] in x.dtype. Two launches: the shrink (per token for decode-sized batches, config ``per_token``;
+    else per block of BLOCK_M tokens, the DENSE mode of the MoE shrink), then the GEMM with the expand in its
+    epilogue (:func:`.dense_kernels.lora_linear_kernel`; split-K ``gemm.SPLIT_K`` with an in-kernel sum, whose
+    arrival counters the shrink zeroes). ``config``: a :class:`.configs.LinearKernelConfig` (or its dict form)
+    instead of :func:`default_linear_config`; its ``pdl`` then wins over ``MOE_LORA_PDL``."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     R = lora_a.shape[1]
     if T == 0:
         return x.new_empty((0, n_out))
-    cfg = config or default_linear_config(T, n_in, n_out, _num_sms(x.device))
-    c = cfg["gemm"]
-    block_m = cfg["BLOCK_M"]
-    grid_m = triton.cdiv(T, block_m)
-    block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
+    passed = config is not None
+    cfg = LinearKernelConfig.of(config) if passed else default_linear_config(T, n_in, n_out, _num_sms(x.device))
+    c = cfg.gemm
+    grid_m = triton.cdiv(T, cfg.BLOCK_M)
+    block_n, block_k = _tile(c.BLOCK_N, n_out), _tile(c.BLOCK_K, n_in)
     tiles = grid_m * triton.cdiv(n_out, block_n)
-    split_k, k_per_split, even_k = _k_split(n_in, block_k, c.get("SPLIT_K", 1))
+    split_k, k_per_split, even_k = _k_split(n_in, block_k, c.SPLIT_K)
     x = x.contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
-    dummy = token_lora_ids
     counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
-    chain = LaunchChain(use_pdl(x.device, cfg))
-    if cfg["shrink"].get("per_token", False):
-        s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=grid_m * block_m, cfg=cfg["shrink"],
-                                launch=chain.next(), counters=counters)
-    else:
-        # the block shrink is the DENSE mode of the MoE shrink with one expert: A [L, 1, R, in] (zero expert stride)
-        meta = (dummy, dummy, dummy, dummy, T, grid_m)
-        s = _launch_shrink(x, a.unsqueeze(1), x, token_lora_ids, meta, K_dim=n_in, R=R, top_k=1, mode=K.DENSE,
-                           block_m=block_m, input_by_token=True, scale_by_weight=False, cfg=cfg["shrink"],
-                           dtype=x.dtype, launch=chain.next(), counters=counters)
+    chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=passed)))
+    rows = grid_m * cfg.BLOCK_M
+    if cfg.per_token:
+        s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=rows, cfg=cfg.shrink, launch=chain.next(),
+                                counters=counters)
+    else:  # the block shrink: the MoE shrink's DENSE mode with one expert, A [L, 1, R, in] (zero expert stride)
+        s = _launch_shrink(x, a.unsqueeze(1), None, token_lora_ids, (None, None, None, None, T, grid_m), K_dim=n_in,
+                           R=R, top_k=1, mode=K.DENSE, block_m=cfg.BLOCK_M, input_by_token=True,
+                           scale_by_weight=False, cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(),
+                           counters=counters)
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
-    part = torch.empty((split_k, grid_m * block_m, n_out) if split_k > 1 else (0,), dtype=torch.float32,
-                       device=x.device)
+    part = torch.empty((split_k, rows, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     DK.lora_linear_kernel[(tiles, split_k)](
-        x, x.stride(0), weight, weight.stride(0), weight.stride(1), bias if bias is not None else x,
-        b, b.stride(0), b.stride(1), s, s.shape[0], s.stride(0), token_lora_ids, out, out.stride(0),
-        part if split_k > 1 else out, counters if split_k > 1 else token_lora_ids,
-        T, grid_m, n_in, n_out, R, k_per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c["GROUP_SIZE_M"],
+        x_ptr=x, stride_x=x.stride(0), w_ptr=weight, stride_wn=weight.stride(0), stride_wk=weight.stride(1),
+        bias_ptr=bias, b_ptr=b, stride_bl=b.stride(0), stride_bn=b.stride(1), s_ptr=s, num_splits=s.shape[0],
+        split_stride=s.stride(0), token_lora_ptr=token_lora_ids, y_ptr=out, stride_y=out.stride(0), part_ptr=part,
+        counter_ptr=counters if split_k > 1 else None, T=T, grid_m=grid_m, K=n_in, N=n_out, R=R,
+        k_per_split=k_per_split,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c.GROUP_SIZE_M,
         HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c["num_warps"],
-        num_stages=c["num_stages"], **chain.next())
+        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c.num_warps, num_stages=c.num_stages,
+        **chain.next())
     return out
