@@ -1,5 +1,7 @@
-"""Serving on top of :class:`~moe_lora_compile.models.MultiLoRAModel`: the paged adapter store."""
+"""Serving on top of :class:`~moe_lora_compile.models.MultiLoRAModel`: the paged adapter store and the continuous-
+batching engine with its request API."""
 
+from .engine import FINISH_REASONS, Request, RequestHandle, ServingEngine
 from .store import AdapterStore, StoreCounters
 
-__all__ = ["AdapterStore", "StoreCounters"]
+__all__ = ["AdapterStore", "FINISH_REASONS", "Request", "RequestHandle", "ServingEngine", "StoreCounters"]
