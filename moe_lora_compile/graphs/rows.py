@@ -353,7 +353,7 @@ class RowGraphs:
         static output, valid until the next step). The staged values are copied once (asynchronously from pinned
         memory on CUDA: change them only after this step's results were read on the host)."""
         batch = self.bucket_for(num_rows)
-        self._inputs[:, :batch].copy_(self._host_inputs[:, :batch], non_blocking=True)
+        self._inputs.copy_(self._host_inputs, non_blocking=True)  # all rows: one contiguous (pinned) copy
         self._row_slots[:batch].copy_(self._inputs[2, :batch])
         with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap
             self.mm.write_lora_ids(self._row_slots[:batch], 1)

@@ -152,12 +152,11 @@ class ServingEngine:
                  max_bypass: Optional[int] = None, log: Optional[Callable[[str], None]] = print):
         if store is not None and store.mm is not mm:
             raise ValueError("store: the AdapterStore serves another model (store.mm is not mm)")
-        if schedule not in ("mixed", "grouped"):
-            raise ValueError(f"schedule must be 'mixed' or 'grouped', got {schedule!r}")
         max_bypass = max_rows if max_bypass is None else max_bypass
         if not isinstance(max_bypass, int) or max_bypass < 0:
             raise ValueError(f"max_bypass must be an int >= 0, got {max_bypass!r}")
-        self.mm, self.store, self.schedule, self.max_bypass = mm, store, schedule, max_bypass
+        self.mm, self.store, self.max_bypass = mm, store, max_bypass
+        self.schedule = schedule
         self.graphs = RowGraphs(mm, max_rows=max_rows, max_cache_len=max_cache_len, batch_sizes=batch_sizes,
                                 prefill_chunk=prefill_chunk, capture=capture, compile=compile, log=log).capture()
         self.device = self.graphs.device
@@ -176,6 +175,17 @@ class ServingEngine:
         self._stopping = False
         self.steps = 0  # decode steps run
         self.tokens_generated = 0
+
+    @property
+    def schedule(self) -> str:
+        """``"mixed"`` or ``"grouped"`` (see the class docstring); may be changed between requests."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value: str) -> None:
+        if value not in ("mixed", "grouped"):
+            raise ValueError(f"schedule must be 'mixed' or 'grouped', got {value!r}")
+        self._schedule = value
 
     # --- submitting ----------------------------------------------------------------------------------------------
     def submit(self, prompt_ids, **kwargs) -> RequestHandle:
@@ -259,6 +269,11 @@ class ServingEngine:
     def idle(self) -> bool:
         """No request waiting or live."""
         return not (self._waiting or self._prefilling or self._running)
+
+    @property
+    def num_running(self) -> int:
+        """Requests decoding (their prompt prefilled)."""
+        return len(self._running)
 
     def step(self) -> bool:
         """One engine step (admit, prefill a chunk, one decode step); returns whether work remains."""
