@@ -325,7 +325,7 @@ class RowGraphs:
     def prefill(self, row: int, tokens, *, start: int = 0, adapter_slot: int = NO_ADAPTER) -> Tensor:
         """Write ``tokens`` (``[n]`` ids, ``n <= prefill_chunk``) into row ``row`` at slots ``start..start+n-1`` (the
         row's earlier slots hold its previous chunks); returns the logits ``[V]`` of the last one. No CUDA graph;
-        compiled with a dynamic length when the steps are compiled."""
+        compiled with a dynamic length when the steps are compiled. No host sync: it queues behind a running step."""
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         n = tokens.numel()
         if not 1 <= n <= self.prefill_chunk:
@@ -342,9 +342,15 @@ class RowGraphs:
         ids = torch.full((n,), adapter_slot, dtype=torch.int32, device=self.device)
         with self.mm.manual_token_lora_ids(), self._compile_limits():
             self.mm.write_lora_ids(ids, n)
-            logits = self._prefill_fn(self.mm.model, tokens.to(self.device)[None], positions, self._prefill_cache,
+            logits = self._prefill_fn(self.mm.model, self._to_device(tokens)[None], positions, self._prefill_cache,
                                       self.spec, self._cache_kw, self._prefill_extra)
         return logits[0, -1]
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        """A host tensor on the device without a host sync (through pinned memory on CUDA)."""
+        if self.device.type != "cuda" or t.device.type != "cpu":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def step(self, num_rows: int) -> Tensor:

@@ -2,15 +2,18 @@
 
 Requests join and leave between decode steps. Each engine step (:meth:`ServingEngine.step`):
 
-1. admits waiting requests (arrival order) into free cache rows, acquiring their adapters from the
-   :class:`~moe_lora_compile.serving.AdapterStore` (loading, evicting the least recently used adapter no live
-   request holds); a request whose adapter finds no slot waits, and at most ``max_bypass`` later requests that need
-   a slot overtake it (then only requests without an adapter do, until it gets one);
-2. prefills up to ``prefill_chunk`` prompt tokens of the admitted requests (a long prompt takes several steps, so the
-   running requests keep decoding beside it); a request whose prompt is done samples its first token and runs;
-3. runs one decode step of every running request (:class:`~moe_lora_compile.graphs.rows.RowGraphs`: one CUDA graph
-   per bucket; each row's adapter slot and position are data), samples, streams the tokens, and retires finished
-   requests (their row is freed, their adapter released).
+1. launches one decode step of every running request (:class:`~moe_lora_compile.graphs.rows.RowGraphs`: one CUDA
+   graph per bucket; each row's token, position and adapter slot are data) and its sampling, without waiting;
+2. admits waiting requests (arrival order) into free cache rows, acquiring their adapters from the
+   :class:`~moe_lora_compile.serving.AdapterStore`: an adapter not in a slot is copied in on the store's side stream
+   while the step computes (into a slot no live request holds, after the GPU work that last read it); a request
+   whose adapter finds no slot waits, and at most ``max_bypass`` later requests that need a slot overtake it (then
+   only requests without an adapter do, until it gets one);
+3. launches up to ``prefill_chunk`` prompt tokens of the admitted requests (a long prompt takes several steps, so
+   the running requests keep decoding beside it; the prefill waits on the GPU for its adapter's copy);
+4. reads the step's tokens (the one host sync of a step), streams them, and retires finished requests (row freed,
+   adapter released); then samples the first token of each prompt prefilled to its end: those requests decode from
+   the next step on.
 
 Why not transformers' continuous batching (``generate_batch`` / ``init_continuous_batching``)? Its batches are packed
 (all requests' tokens flattened into one ``[1, T]`` sequence), and nothing in it carries per-request data to the
@@ -173,6 +176,7 @@ class ServingEngine:
         self._next_id = 0
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._tokens_host = torch.empty(max_rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.steps = 0  # decode steps run
         self.tokens_generated = 0
 
@@ -276,13 +280,20 @@ class ServingEngine:
         return len(self._running)
 
     def step(self) -> bool:
-        """One engine step (admit, prefill a chunk, one decode step); returns whether work remains."""
+        """One engine step; returns whether work remains. In this order, so that the GPU never waits for the host
+        or for an adapter copy: launch the decode step of the running requests (no host sync), admit waiting
+        requests (adapter loads run on the store's side stream while the step computes), launch up to
+        ``prefill_chunk`` prompt tokens, then read the step's tokens, and last the first tokens of the prompts
+        prefilled to their end (those requests decode from the next step on)."""
         with self._step_lock:
             with self._cond:
                 self._retire_cancelled()
+            launched = self._launch_decode()
+            with self._cond:
                 self._admit()
-            self._prefill()
-            self._decode()
+            prefilled = self._prefill()
+            self._finish_decode(launched)
+            self._start_decoding(prefilled)
             with self._cond:
                 self._cond.notify_all()
                 return not self.idle
@@ -399,8 +410,10 @@ class ServingEngine:
             return self.store.acquire([adapter])[0], True
         return self.mm.adapters[adapter], False
 
-    def _prefill(self) -> None:
-        budget = self.graphs.prefill_chunk
+    def _prefill(self) -> list[tuple[_Live, torch.Tensor]]:
+        """Launch up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first; returns the
+        requests whose prompt is now complete, with the logits of its last token."""
+        budget, done = self.graphs.prefill_chunk, []
         for live in list(self._prefilling):
             if budget <= 0:
                 break
@@ -410,45 +423,76 @@ class ServingEngine:
                                          start=live.prefilled, adapter_slot=live.slot)
             live.prefilled += n
             budget -= n
-            if live.prefilled < len(prompt):
-                continue
-            self._prefilling.remove(live)
-            token = self._sample(logits[None], [live])[0]
-            with self._cond:
-                if self._emit(live, token):
-                    self.graphs.set_row(live.row, token=token, position=len(prompt), adapter_slot=live.slot)
-                    self._running[live.row] = live
+            if live.prefilled == len(prompt):
+                done.append((live, logits))
+        return done
 
-    def _decode(self) -> None:
-        if not self._running:
+    def _start_decoding(self, prefilled: list[tuple[_Live, torch.Tensor]]) -> None:
+        """First token of each prefilled request (one host sync); those that go on join the next decode step."""
+        if not prefilled:
             return
-        rows = sorted(self._running)
-        logits = self.graphs.step(rows[-1] + 1)
-        lives = [self._running[r] for r in rows]
-        if len(rows) < logits.shape[0]:
-            logits = logits[torch.tensor(rows, device=logits.device)]
-        tokens = self._sample(logits, lives)
-        self.steps += 1
-        go_on_rows, go_on_tokens = [], []
+        lives = [live for live, _ in prefilled]
+        tokens = self._sample(torch.stack([logits for _, logits in prefilled]), lives).tolist()
         with self._cond:
             for live, token in zip(lives, tokens):
+                self._prefilling.remove(live)
+                if self._emit(live, token):
+                    self.graphs.set_row(live.row, token=token, position=len(live.handle.prompt),
+                                        adapter_slot=live.slot)
+                    self._running[live.row] = live
+
+    def _launch_decode(self):
+        """Launch one decode step of the running requests and its sampling, and start copying the tokens to the
+        host (no sync); returns what :meth:`_finish_decode` needs, or None."""
+        if not self._running:
+            return None
+        rows = sorted(self._running)
+        lives = [self._running[r] for r in rows]
+        logits = self.graphs.step(rows[-1] + 1)
+        if len(rows) < logits.shape[0]:
+            logits = logits.index_select(0, self._to_device(torch.tensor(rows)))
+        tokens = self._sample(logits, lives)
+        self.steps += 1
+        if tokens.device.type != "cuda":
+            return lives, tokens, None
+        host = self._tokens_host[: len(rows)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return lives, host, ready
+
+    def _finish_decode(self, launched) -> None:
+        """Wait for the launched step's tokens; stream them, retire the finished requests, advance the others."""
+        if launched is None:
+            return
+        lives, tokens, ready = launched
+        if ready is not None:
+            ready.synchronize()
+        go_on_rows, go_on_tokens = [], []
+        with self._cond:
+            for live, token in zip(lives, tokens.tolist()):
                 if self._emit(live, token):
                     go_on_rows.append(live.row)
                     go_on_tokens.append(token)
         if go_on_rows:
             self.graphs.advance(go_on_rows, go_on_tokens)
 
-    def _sample(self, logits, lives: list[_Live]) -> list[int]:
-        """One token per row of ``logits [n, V]`` for ``lives`` (one host sync)."""
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without a host sync (through pinned memory on CUDA)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, logits: torch.Tensor, lives: list[_Live]) -> torch.Tensor:
+        """One token per row of ``logits [n, V]`` for ``lives``, on the device (no host sync)."""
         requests = [x.handle.request for x in lives]
         if all(r.temperature == 0 for r in requests):
-            return logits.argmax(-1).tolist()
-        dev = logits.device
-        params = torch.tensor([[r.temperature, r.top_p] for r in requests], dtype=torch.float64)
-        ints = torch.tensor([[r.top_k, x.handle.seed, len(x.handle.tokens)] for r, x in zip(requests, lives)],
-                            dtype=torch.long)
-        params, ints = params.to(dev), ints.to(dev)
-        return sample(logits, params[:, 0], params[:, 1], ints[:, 0], ints[:, 1], ints[:, 2]).tolist()
+            return logits.argmax(-1)
+        params = self._to_device(torch.tensor([[r.temperature, r.top_p] for r in requests], dtype=torch.float64))
+        ints = self._to_device(torch.tensor([[r.top_k, x.handle.seed, len(x.handle.tokens)]
+                                             for r, x in zip(requests, lives)], dtype=torch.long))
+        filtered = any(r.temperature > 0 and (r.top_p < 1 or r.top_k > 0) for r in requests)
+        return sample(logits, params[:, 0], params[:, 1], ints[:, 0], ints[:, 1], ints[:, 2], filtered=filtered)
 
     def _emit(self, live: _Live, token: int) -> bool:
         """Give ``token`` to the request (under ``_cond``); returns whether it goes on (else it was retired)."""

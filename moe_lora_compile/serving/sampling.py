@@ -10,6 +10,8 @@ any other requests, in any row, on any device (given the same logits), and the w
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -37,11 +39,15 @@ def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
     return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, never 0 or 1
 
 
-def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                    filtered: Optional[bool] = None) -> Tensor:
     """``logits [n, V] / temperature [n]`` in float32 with the tokens outside the top-k (``top_k [n]``, 0 = off)
-    and outside the nucleus (``top_p [n]``, 1 = off) set to ``-inf``; the most likely token is always kept."""
+    and outside the nucleus (``top_p [n]``, 1 = off) set to ``-inf``; the most likely token is always kept.
+    ``filtered``: whether any row filters (None: found out from the tensors, a host sync on a GPU)."""
     scores = logits.float() / temperature.float()[:, None]
-    if bool(((top_p < 1) | (top_k > 0)).any()):
+    if filtered is None:
+        filtered = bool(((top_p < 1) | (top_k > 0)).any())
+    if filtered:
         ordered, order = scores.sort(dim=-1, descending=True)
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens
@@ -53,16 +59,14 @@ def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
     return scores
 
 
-def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor,
-           counters: Tensor) -> Tensor:
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, counters: Tensor, *,
+           filtered: Optional[bool] = None) -> Tensor:
     """One token per row of ``logits [n, V]`` (int64 ``[n]``): greedy where ``temperature == 0``, else drawn as the
-    module docstring says. All parameters are ``[n]`` tensors on the logits' device."""
-    greedy = logits.argmax(-1)
+    module docstring says. All parameters are ``[n]`` tensors on the logits' device; ``filtered`` as in
+    :func:`filtered_scores` (pass it to keep the call free of host syncs)."""
     hot = temperature > 0
-    if not bool(hot.any()):
-        return greedy
     safe = torch.where(hot, temperature.float(), torch.ones_like(temperature, dtype=torch.float32))
-    scores = filtered_scores(logits, safe, top_p, top_k)
+    scores = filtered_scores(logits, safe, top_p, top_k, filtered)
     noise = uniform_noise(seeds, counters, logits.shape[-1])
     drawn = (scores - torch.log(-torch.log(noise))).argmax(-1)  # log p - log E, E = -log U ~ Exp(1)
-    return torch.where(hot, drawn, greedy)
+    return torch.where(hot, drawn, logits.argmax(-1))
