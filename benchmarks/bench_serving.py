@@ -21,7 +21,8 @@ batch, adapter loads and evictions. Adapters: rank ``--rank`` PEFT adapters on q
 (``bench_decode.build_model``). Writes ``--json``, ``--md`` (table + ratios against the targets), ``--png`` (OTPS and
 TTFT against the arrival rate).
 
-    python benchmarks/bench_serving.py --model gpt-oss-20b --requests 48 --json s.json --md s.md --png s.png
+    python benchmarks/bench_serving.py --model gpt-oss-20b --requests 32 --json s.json --md s.md --png s.png
+    python benchmarks/bench_serving.py --buckets 8 16 32 --configs no_lora lora8 ...   # fewer compiles / runs
     python benchmarks/bench_serving.py --tiny   # CPU smoke test (tiny GPT-OSS, a few seconds; no timing claims)
 """
 
@@ -191,6 +192,9 @@ def run(args) -> list[dict]:
         log(f"saturation estimate: {rate:.3f} requests/s (prefill {info['t_prefill_ms']:.1f} ms, step at "
             f"{args.max_rows} rows {info['t_step_ms']:.2f} ms)")
         rates = [f * rate for f in args.load_factors]
+    log(f"rates {', '.join(f'{r:.3f}' for r in rates)} requests/s: arrivals alone take "
+        f"{len(args.configs) * sum(args.requests / r for r in rates):.0f} s over the {len(rates) * len(args.configs)} "
+        f"runs (each run then drains its last requests)")
     for r_i, rate in enumerate(rates):
         for config in args.configs:
             adapters = {"no_lora": [None], "lora8": resident, "lora64": paged, "grouped8": resident}[config]
@@ -214,7 +218,8 @@ def to_markdown(rows: list[dict]) -> str:
     setup = rows[0]
     out = [f"Serving, {setup['model']} on {setup['device']}: {setup['requests']} requests per run, prompt "
            f"~{setup['prompt']} / output ~{setup['new']} tokens (+-{100 * setup['jitter']:.0f} %), rank "
-           f"{setup['rank']}, {setup['max_rows']} rows, {setup['slots']} slots", "",
+           f"{setup['rank']}, {setup['max_rows']} rows, {setup['slots']} slots"
+           + (" (tiny model on the CPU: a smoke run, no timing claims)" if setup["tiny"] else ""), "",
            "| load | req/s | config | out tok/s | vs no_lora | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
            "e2e p50 s | mean batch | adapter loads |", "|" + "---|" * 12]
     base = {r["rate"]: r for r in runs if r["config"] == "no_lora"}
@@ -269,7 +274,8 @@ def parser(prog=None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="gpt-oss-20b", choices=list(DECODE_MODELS))
     p.add_argument("--tiny", action="store_true", help="tiny GPT-OSS on the CPU, small workload (a smoke test)")
-    p.add_argument("--requests", type=int, default=48, help="requests per run (scale to the time available)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests per run; a run lasts ~requests / rate + the last requests' decode (scale to fit)")
     p.add_argument("--prompt", type=int, default=1600, help="mean prompt tokens")
     p.add_argument("--new", type=int, default=600, help="mean output tokens")
     p.add_argument("--jitter", type=float, default=0.25, help="lengths uniform in mean * (1 +- jitter)")

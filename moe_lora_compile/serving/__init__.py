@@ -2,6 +2,7 @@
 batching engine with its request API."""
 
 from .engine import FINISH_REASONS, Request, RequestHandle, ServingEngine
-from .store import AdapterStore, StoreCounters
+from .store import AdapterStore, NoFreeSlot, StoreCounters
 
-__all__ = ["AdapterStore", "FINISH_REASONS", "Request", "RequestHandle", "ServingEngine", "StoreCounters"]
+__all__ = ["AdapterStore", "FINISH_REASONS", "NoFreeSlot", "Request", "RequestHandle", "ServingEngine",
+           "StoreCounters"]

@@ -44,7 +44,7 @@ import torch
 from ..graphs.rows import RowGraphs
 from ..ops.contract import NO_ADAPTER
 from .sampling import sample
-from .store import AdapterStore
+from .store import AdapterStore, NoFreeSlot
 
 FINISH_REASONS = ("length", "eos", "stop", "cancelled", "error")
 
@@ -286,14 +286,18 @@ class ServingEngine:
         ``prefill_chunk`` prompt tokens, then read the step's tokens, and last the first tokens of the prompts
         prefilled to their end (those requests decode from the next step on)."""
         with self._step_lock:
-            with self._cond:
-                self._retire_cancelled()
-            launched = self._launch_decode()
-            with self._cond:
-                self._admit()
-            prefilled = self._prefill()
-            self._finish_decode(launched)
-            self._start_decoding(prefilled)
+            try:
+                with self._cond:
+                    self._retire_cancelled()
+                launched = self._launch_decode()
+                with self._cond:
+                    self._admit()
+                prefilled = self._prefill()
+                self._finish_decode(launched)
+                self._start_decoding(prefilled)
+            except BaseException as error:  # every live and waiting request ends with this error
+                self._fail_all(error)
+                raise
             with self._cond:
                 self._cond.notify_all()
                 return not self.idle
@@ -332,8 +336,7 @@ class ServingEngine:
                     return
             try:
                 self.step()
-            except BaseException as error:  # every live request learns why; the thread ends
-                self._fail_all(error)
+            except BaseException:  # step() failed every request with the error; the thread ends
                 with self._cond:
                     self._thread = None
                     self._cond.notify_all()
@@ -348,11 +351,7 @@ class ServingEngine:
                 if self._thread is not None:
                     self._cond.wait()
                     continue
-            try:
-                self.step()
-            except BaseException as error:
-                self._fail_all(error)
-                raise
+            self.step()
 
     # --- the steps -----------------------------------------------------------------------------------------------
     def _retire_cancelled(self) -> None:
@@ -376,7 +375,7 @@ class ServingEngine:
                 continue
             try:
                 slot, held = self._acquire(adapter)
-            except RuntimeError:  # every slot is held by live requests: wait
+            except NoFreeSlot:  # every slot is held by live requests: wait
                 if blocked is None:
                     blocked = handle
                 continue

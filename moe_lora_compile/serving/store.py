@@ -48,6 +48,10 @@ from ..ops.contract import NO_ADAPTER
 
 
 
+class NoFreeSlot(RuntimeError):
+    """:meth:`AdapterStore.acquire` found no slot: every slot holds an adapter that in-flight requests use."""
+
+
 @dataclasses.dataclass
 class StoreCounters:
     """What the store did so far (a snapshot from :attr:`AdapterStore.counters`).
@@ -172,9 +176,10 @@ class AdapterStore:
         slot and evicting least-recently-used adapters that no in-flight request holds. The adapters stay in their
         slots until :meth:`release` with the same ``names``.
 
-        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load; RuntimeError
-        when the adapters not in a slot do not fit in the slots that are free or held by no request. On any error
-        nothing changes (slots, residency, LRU order, in-use counts, counters)."""
+        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load;
+        :class:`NoFreeSlot` (a RuntimeError) when the adapters not in a slot do not fit in the slots that are free
+        or held by no request. On any error nothing changes (slots, residency, LRU order, in-use counts,
+        counters)."""
         wanted = _distinct(names)
         with self._lock:
             self._check_known(wanted)
@@ -189,7 +194,7 @@ class AdapterStore:
             free = self._free_slots()
             evictable = [n for n in self._lru if not self._in_use.get(n) and n not in wanted]
             if len(missing) > len(free) + len(evictable):
-                raise RuntimeError(self._full_message(wanted, missing, free))
+                raise NoFreeSlot(self._full_message(wanted, missing, free))
             plan = []
             for n in missing:
                 if free:

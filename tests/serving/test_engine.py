@@ -10,6 +10,8 @@ the Triton kernels (``use_ops=True``): ``pytest -m gpu tests/serving``.
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 import threading
 
 import pytest
@@ -35,8 +37,9 @@ def models(tmp_path_factory):
 
     def get(family):
         if family not in built:
-            s = build(family, dtype=torch.float32, device=torch.device("cpu"), batch=1, seq_len=4,
-                      workdir=str(tmp_path_factory.mktemp("adapters")))
+            workdir = str(tmp_path_factory.mktemp("adapters"))
+            s = build(family, dtype=torch.float32, device=torch.device("cpu"), batch=1, seq_len=4, workdir=workdir)
+            s.workdir = workdir
             s.prompts = [prompt(n, seed=i) for i, (n, _, _) in enumerate(WORK)]
             s.want = [alone(s.model, p, a, m) for p, (_, a, m) in zip(s.prompts, WORK)]
             built[family] = s
@@ -203,6 +206,27 @@ def test_submit_errors_change_nothing(setup):
     other = AdapterStore(attach(copy.deepcopy(setup.base)))
     with pytest.raises(ValueError, match="another model"):
         ServingEngine(mm, other, log=None)
+
+
+def test_an_adapter_that_fails_to_load_fails_only_its_request(setup):
+    """A folder registered lazily and broken on disk: its request ends with finish_reason "error" (result() raises
+    with the loader's message); the requests beside it are served as usual."""
+    broken = os.path.join(setup.workdir, "broken")
+    shutil.copytree(os.path.join(setup.workdir, "alpha"), broken)
+    weights = os.path.join(broken, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    store = AdapterStore(setup.model)  # alpha, beta, gamma loaded directly stay usable by name
+    store.register("broken", broken)
+    engine = _engine(setup.model, store=store)
+    bad = engine.submit(setup.prompts[0], adapter="broken", max_new_tokens=4)
+    good = [engine.submit(setup.prompts[i], adapter=WORK[i][1], max_new_tokens=WORK[i][2]) for i in (0, 1)]
+    engine.run()
+    assert [h.tokens for h in good] == setup.want[:2]
+    assert bad.finish_reason == "error" and bad.tokens == []
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        bad.result()
+    assert store.in_use == {} and "broken" not in setup.model.adapters
 
 
 def test_paging_many_adapters_over_few_slots_equals_resident(setup):
