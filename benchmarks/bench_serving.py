@@ -241,7 +241,8 @@ def to_markdown(rows: list[dict]) -> str:
     ttft = [r["ttft_p50_ms"] / base[r["rate"]]["ttft_p50_ms"] for r in runs if r["config"] == "lora8"
             and r["rate"] in base]
     if ttft:
-        out.append(f"- lora8 TTFT p50 / no_lora <= 1.2: max {max(ttft):.2f} ({'met' if max(ttft) <= 1.2 else 'NOT met'})")
+        verdict = "met" if max(ttft) <= 1.2 else "NOT met"
+        out.append(f"- lora8 TTFT p50 / no_lora <= 1.2: max {max(ttft):.2f} ({verdict})")
     return "\n".join(out) + "\n"
 
 
