@@ -328,3 +328,51 @@ def test_gpu_paging_every_step_never_corrupts_a_running_step(tmp_path):
     assert long.tokens == alone(resident, prompt(8, seed=1), names[0], 200, eos=[])
     for i, h in enumerate(short):
         assert h.tokens == alone(resident, prompt(4, seed=10 + i), names[1 + i % 15], 2, eos=[]), i
+
+
+@pytest.mark.parametrize("family, kind", [
+    ("gpt_oss", "dict"),     # sliding (window 16) and full layers: a mask per layer type
+    ("qwen3_moe", "full"),   # one causal mask
+    ("mistral", "sliding"),  # one kind of layer, sliding everywhere (window from the config)
+])
+def test_row_masks_against_a_loop(family, kind):
+    """Per-row masks equal their definition, slot by slot: query at position p sees slots s <= p (and s > p - W on
+    sliding layers); additive for eager attention, boolean for SDPA."""
+    from moe_lora_compile.graphs.rows import attention_masks, mask_spec
+    from moe_lora_compile.models.tiny import tiny_config
+
+    config = tiny_config(family, sliding_window=5) if family == "mistral" else tiny_config(family)
+    spec = mask_spec(config, num_slots=24, dtype=torch.float32)
+    positions = torch.tensor([[0, 1], [7, 8], [22, 23]])  # rows at different lengths, two queries each
+    masks = attention_masks(positions, spec)
+    by_type = masks if kind == "dict" else {spec.layer_types[0]: masks}
+    assert set(by_type) == ({"sliding_attention", "full_attention"} if kind == "dict" else
+                            {"full_attention" if kind == "full" else "sliding_attention"})
+    for layer_type, mask in by_type.items():
+        window = {"sliding_attention": 16 if family == "gpt_oss" else 5}.get(layer_type)
+        assert mask.shape == (3, 1, 2, 24) and mask.dtype == torch.float32
+        for b in range(3):
+            for q in range(2):
+                p = int(positions[b, q])
+                for s in range(24):
+                    allowed = s <= p and (window is None or s > p - window)
+                    assert mask[b, 0, q, s].item() == (0.0 if allowed else torch.finfo(torch.float32).min)
+    sdpa = type(spec)(spec.layer_types, spec.windows, spec.num_slots, False, spec.dtype)
+    first = attention_masks(positions, sdpa)
+    first = first[spec.layer_types[0]] if kind == "dict" else first
+    assert first.dtype == torch.bool and torch.equal(first, by_type[spec.layer_types[0]] == 0)
+
+
+def test_models_per_row_masks_cannot_express_are_refused():
+    from moe_lora_compile.graphs.rows import mask_spec
+    from moe_lora_compile.models.tiny import tiny_config
+
+    with pytest.raises(ValueError, match="Llama-4 is not supported"):
+        mask_spec(tiny_config("llama4"), 8, torch.float32)
+    config = tiny_config("qwen3_moe")
+    config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="'flash_attention_2' is not supported"):
+        mask_spec(config, 8, torch.float32)
+    config = tiny_config("gpt_oss", sliding_window=None)
+    with pytest.raises(ValueError, match="without a sliding_window"):
+        mask_spec(config, 8, torch.float32)
