@@ -11,16 +11,16 @@ Requests join and leave between decode steps. Each engine step (:meth:`ServingEn
    only requests without an adapter do, until it gets one);
 3. launches up to ``prefill_chunk`` prompt tokens of the admitted requests (a long prompt takes several steps, so
    the running requests keep decoding beside it; the prefill waits on the GPU for its adapter's copy);
-4. reads the step's tokens (the one host sync of a step), streams them, and retires finished requests (row freed,
-   adapter released); then samples the first token of each prompt prefilled to its end: those requests decode from
-   the next step on.
+4. waits for the step's tokens (a host sync), streams them, and retires finished requests (row freed, adapter
+   released); then samples the first token of each prompt prefilled to its end (a second sync): those requests
+   decode from the next step on.
 
 Why not transformers' continuous batching (``generate_batch`` / ``init_continuous_batching``)? Its batches are packed
 (all requests' tokens flattened into one ``[1, T]`` sequence), and nothing in it carries per-request data to the
-model: per-token adapter ids would have to be written by its private batch-preparation classes (whose signatures
-differ between transformers 5.17 and 5.24, and which prepare batch ``n+1`` while batch ``n`` runs), and our dense
-LoRA layers map a ``[1, T, H]`` input to the adapter of sequence 0. It also samples with one setting for every
-request. So the engine runs our own per-row decode steps instead.
+model: per-token adapter ids would have to be written by its private batch-preparation code
+(``ContinuousBatchingIOs.prepare_batch_tensors`` in 5.24, no extension point, and in its asynchronous mode batch
+``n+1`` is prepared while batch ``n`` runs), and our dense LoRA layers map a ``[1, T, H]`` input to the adapter of
+sequence 0. It also samples every request with one setting. So the engine runs our own per-row decode steps instead.
 
 Usage::
 
@@ -205,7 +205,8 @@ class ServingEngine:
 
     def generate_many(self, requests: Sequence) -> list[RequestHandle]:
         """Submit every request (:class:`Request` s or dicts of its fields; all checked before any is queued) and
-        run until all have finished; returns their handles (``handle.tokens``, ``handle.finish_reason``)."""
+        run until all have finished; returns their handles (``handle.tokens``, ``handle.finish_reason``).
+        RuntimeError when one failed (its adapter did not load; the others still finished)."""
         requests = [r if isinstance(r, Request) else Request(**r) for r in requests]
         handles = [self._handle(r) for r in requests]
         self._queue(handles)
