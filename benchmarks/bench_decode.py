@@ -239,6 +239,7 @@ def profile_step(graphs: DecodeGraphs, input_ids, adapters, model, steps: int = 
     finally:
         graphs.use_graphs = use_graphs
     times = defaultdict(float)
+    per_kernel = defaultdict(lambda: [0, 0.0])  # name -> [launches, us] over the profiled steps
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -273,7 +274,14 @@ def profile_step(graphs: DecodeGraphs, input_ids, adapters, model, steps: int = 
                 elif low.startswith("triton_") or "elementwise" in low or "vectorized" in low:
                     cat = "norms_elementwise"
             times[cat] += k.duration / 1e3  # us -> ms
-    return {c: round(times.get(c, 0.0) / steps, 3) for c in _CATEGORIES}
+            per_kernel[(cat, kname[:80])][0] += 1
+            per_kernel[(cat, kname[:80])][1] += k.duration
+    out = {c: round(times.get(c, 0.0) / steps, 3) for c in _CATEGORIES}
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:25]
+    out["top_kernels"] = [dict(category=c, kernel=n, launches_per_step=v[0] / steps, us_per_step=round(v[1] / steps, 1))
+                          for (c, n), v in top]
+    out["kernels_per_step"] = sum(v[0] for v in per_kernel.values()) / steps
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -355,7 +363,7 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
 
     buckets = sorted({w.batch for w in workloads})
     graphs = DecodeGraphs(mm, batch_sizes=buckets, max_cache_len=max_cache, capture=device.type == "cuda",
-                          compile=not args.no_compile, log=log)
+                          compile=not args.no_compile, compile_prefill=not args.eager_prefill, log=log)
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
@@ -477,6 +485,8 @@ def main(argv=None) -> int:
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--no-compile", action="store_true", help="capture the eager step (DecodeGraphs(compile=False))")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="DecodeGraphs(compile_prefill=False): no prefill compile (TTFT then is the eager prefill's)")
     p.add_argument("--fuse-qkv", action="store_true", help="attach(fuse_qkv=True): q/k/v in one lora_linear call")
     p.add_argument("--profile", nargs="*", type=int, default=[1, 8], help="batches to profile (none: no profile)")
     p.add_argument("--check", action="store_true", help="compare the compiled prefill with the eager model")

@@ -21,6 +21,9 @@ where the config's path is per-pair, the w2 + top-k sum fused/unfused; the per-p
 picks the sorted one; the op's default; and base-only (every token -1) with PDL off/on:
 
     python benchmarks/bench_fused_moe_lora.py --decode-ablation --json ablation.json --md ablation.md
+
+Files: this script (the grid, its report and the targets against vLLM's numbers), ``moe_layer.py`` (the layer's
+weights, batches, baselines, bytes and CUDA-graph timing, shared), ``decode_ablation.py`` (the ablation).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ from dataclasses import dataclass
 import torch
 import triton
 
-import moe_lora_compile  # noqa: F401  (registers torch.ops.moe_lora)
-from moe_lora_compile.shapes import BENCHMARK_GRID, MODELS, MoEGeometry
+from decode_ablation import ablation_markdown, decode_ablation
+from moe_layer import (Layer, bytes_moved, fmt, lora_stacks, make_batch, make_layer, no_adapter, op_call, time_graph,
+                       unfused_layer)
+from moe_lora_compile.shapes import BENCHMARK_GRID, MODELS
 
-# vLLM's fused MoE LoRA delta (w13 + w2 of one layer, LoRA only) on this H200, bf16, CUDA graphs (shared/FACTS.md):
-# (model, T, L, R) -> us.
+# vLLM's fused MoE LoRA delta (w13 + w2 of one layer, LoRA only) on this H200, bf16, CUDA graphs (measured with
+# vLLM ~0.22's kernels, outside this repository: vLLM does not install in the GPU image): (model, T, L, R) -> us.
 VLLM_LORA_DELTA_US = {
     ("gpt-oss-20b", 1, 4, 16): 52, ("gpt-oss-20b", 1, 4, 64): 123, ("gpt-oss-20b", 32, 16, 64): 172,
     ("gpt-oss-20b", 512, 4, 16): 156, ("gpt-oss-20b", 512, 16, 64): 728,
@@ -54,176 +59,6 @@ class BenchConfig:
     L: int
     R: int
     no_lora_fraction: float
-
-
-@dataclass
-class Layer:
-    """One full weight set of a model (bf16): base weights in the model's layout, biases, and LoRA stacks per (L, R)."""
-
-    geometry: MoEGeometry
-    w13: torch.Tensor
-    w2: torch.Tensor
-    w13_bias: torch.Tensor | None
-    w2_bias: torch.Tensor | None
-    hf: torch.nn.Module | None
-    lora: dict
-
-
-def make_layer(g: MoEGeometry, seed: int) -> Layer:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *s, std: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * std
-    if g.layout == "concat":
-        w13, w2 = rnd(g.E, 2 * g.I, g.H, std=g.H ** -0.5), rnd(g.E, g.H, g.I, std=g.I ** -0.5)
-    else:
-        w13, w2 = rnd(g.E, g.H, 2 * g.I, std=g.H ** -0.5), rnd(g.E, g.I, g.H, std=g.I ** -0.5)
-    b13 = rnd(g.E, 2 * g.I, std=0.1) if g.bias else None
-    b2 = rnd(g.E, g.H, std=0.1) if g.bias else None
-    layer = Layer(g, w13, w2, b13, b2, None, {})
-    try:
-        layer.hf = make_hf_experts(layer)
-    except Exception as exc:  # an HF version without these classes: the column is left empty
-        print(f"# hf experts unavailable: {exc!r}", flush=True)
-    return layer
-
-
-def lora_stacks(layer: Layer, L: int, R: int):
-    """(A13 [L,E,R,H], B13 [L,E,2I,R], A2 [L,E,R,I], B2 [L,E,H,R]) bf16, contiguous, cached per (L, R)."""
-    if (L, R) not in layer.lora:
-        g = layer.geometry
-        gen = torch.Generator(device="cuda").manual_seed(L * 1000 + R)
-        rnd = lambda *s, std: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * std
-        layer.lora[(L, R)] = (rnd(L, g.E, R, g.H, std=g.H ** -0.5), rnd(L, g.E, 2 * g.I, R, std=0.1 * R ** -0.5),
-                              rnd(L, g.E, R, g.I, std=g.I ** -0.5), rnd(L, g.E, g.H, R, std=0.1 * R ** -0.5))
-    return layer.lora[(L, R)]
-
-
-def make_hf_experts(layer: Layer) -> torch.nn.Module:
-    """transformers' experts module of this geometry on our weights, dispatched to its ``grouped_mm`` forward."""
-    g = layer.geometry
-    if g.name.startswith("gpt-oss"):
-        from transformers import GptOssConfig
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as cls
-        cfg = GptOssConfig(hidden_size=g.H, intermediate_size=g.I, num_local_experts=g.E, num_experts_per_tok=g.k)
-    else:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as cls
-        cfg = Qwen3MoeConfig(hidden_size=g.H, moe_intermediate_size=g.I, num_experts=g.E, num_experts_per_tok=g.k)
-    cfg._experts_implementation = "grouped_mm"
-    with torch.device("meta"):
-        module = cls(cfg)
-    params = {"gate_up_proj": layer.w13, "down_proj": layer.w2, "gate_up_proj_bias": layer.w13_bias,
-              "down_proj_bias": layer.w2_bias}
-    for name, _ in list(module.named_parameters()):
-        setattr(module, name, torch.nn.Parameter(params[name], requires_grad=False))
-    return module
-
-
-def make_batch(g: MoEGeometry, T: int, L: int, no_lora_fraction: float, seed: int):
-    """x [T,H] bf16, topk_ids [T,k] int32 (softmax-top-k of random logits), topk_weights bf16, lora ids [T] int32."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, g.H, device="cuda", generator=gen, dtype=torch.bfloat16)
-    logits = torch.randn(T, g.E, device="cuda", generator=gen)
-    weights, ids = torch.topk(torch.softmax(logits, -1), g.k, dim=-1)
-    weights = (weights / weights.sum(-1, keepdim=True)).to(torch.bfloat16)
-    lora_ids = torch.randint(0, L, (T,), device="cuda", generator=gen, dtype=torch.int32)
-    no_lora = torch.rand(T, device="cuda", generator=gen) < no_lora_fraction
-    lora_ids = torch.where(no_lora, -1, lora_ids).to(torch.int32)
-    return x, ids.to(torch.int32), weights, lora_ids
-
-
-def bytes_moved(g: MoEGeometry, R: int, batch) -> int:
-    """HBM bytes a perfect kernel moves: active experts' weights and biases, active (slot, expert) LoRA factors
-    (A13, B13, A2, B2 at rank R), x in and y out (bf16)."""
-    x, ids, _, lora_ids = batch
-    experts = ids.long()
-    n_experts = int(torch.unique(experts).numel())
-    base = n_experts * 3 * g.I * g.H * 2 + (n_experts * (2 * g.I + g.H) * 2 if g.bias else 0)
-    slots = lora_ids.long()[:, None].expand_as(experts)
-    has = slots >= 0
-    n_pairs = int(torch.unique((slots * g.E + experts)[has]).numel())
-    lora = n_pairs * R * (g.H + 2 * g.I + g.I + g.H) * 2
-    return base + lora + 2 * x.numel() * 2
-
-
-def _grouped_mm(a, b, offs):
-    fn = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-    return fn(a, b, offs=offs)
-
-
-def unfused_layer(layer: Layer, lora, x, topk_ids, topk_weights, lora_ids):
-    """Plain torch: grouped_mm base GEMMs, LoRA as grouped_mm over (slot, expert) groups (pairs without adapter
-    sorted past the last group and masked), gathers and scatters between the two orders. y [T, H] bf16."""
-    g = layer.geometry
-    a13, b13, a2, b2 = lora
-    L, R = a13.shape[0], a13.shape[2]
-    T, k = topk_ids.shape
-    experts = topk_ids.reshape(-1)
-    slots = lora_ids.repeat_interleave(k)
-    order = torch.argsort(experts)
-    offs = torch.cumsum(torch.histc(experts.int(), bins=g.E, min=0, max=g.E - 1), 0).to(torch.int32)
-    key = torch.where(slots >= 0, slots * g.E + experts, L * g.E)
-    korder = torch.argsort(key)
-    koffs = torch.cumsum(torch.histc(key.int(), bins=L * g.E, min=0, max=L * g.E - 1), 0).to(torch.int32)
-    kmask = (key[korder] < L * g.E).to(x.dtype)[:, None]
-    transposed = g.layout != "concat"
-    w13 = layer.w13 if transposed else layer.w13.transpose(1, 2)  # [E, H, 2I]
-    w2 = layer.w2 if transposed else layer.w2.transpose(1, 2)  # [E, I, H]
-
-    def lora_delta(inp_pairs, a, b):  # inp_pairs [P, in] in pair order -> [P, out] in pair order
-        s = _grouped_mm(inp_pairs[korder], a.reshape(L * g.E, R, -1).transpose(1, 2), koffs)
-        d = _grouped_mm(s, b.reshape(L * g.E, -1, R).transpose(1, 2), koffs) * kmask
-        out = torch.empty_like(d)
-        out[korder] = d
-        return out
-
-    x_pairs = x.repeat_interleave(k, dim=0)
-    h = _grouped_mm(x_pairs[order], w13, offs)
-    h_pairs = torch.empty_like(h)
-    h_pairs[order] = h
-    h_pairs = h_pairs + lora_delta(x_pairs, a13, b13)
-    if layer.w13_bias is not None:
-        h_pairs = h_pairs + layer.w13_bias[experts]
-    if g.layout == "transposed_interleaved":
-        gate, up = h_pairs[:, 0::2], h_pairs[:, 1::2]
-        gate, up = gate.clamp(max=7.0), up.clamp(-7.0, 7.0)
-        act = (up + 1) * gate * torch.sigmoid(1.702 * gate)
-    else:
-        gate, up = h_pairs.chunk(2, dim=-1)
-        act = torch.nn.functional.silu(gate) * up
-    o = _grouped_mm(act[order].contiguous(), w2, offs)
-    o_pairs = torch.empty_like(o)
-    o_pairs[order] = o
-    o_pairs = o_pairs + lora_delta(act, a2, b2)
-    if layer.w2_bias is not None:
-        o_pairs = o_pairs + layer.w2_bias[experts]
-    return (o_pairs * topk_weights.reshape(-1, 1)).view(T, k, g.H).sum(1)
-
-
-def time_graph(calls, warmup_ms: int, rep_ms: int) -> float:
-    """Median us per call of ``calls`` (a list of thunks) captured into one CUDA graph, L2 flushed per replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-    del graph
-    return ms * 1e3 / len(calls)
-
-
-def op_call(layer: Layer, lora, batch):
-    g = layer.geometry
-    x, ids, w, lora_ids = batch
-    return lambda: torch.ops.moe_lora.fused_moe_lora(
-        x, ids, w, lora_ids, layer.w13, layer.w2, *lora, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
-        layout=g.layout, activation=g.activation)
 
 
 def run(configs, sets: int, hbm_tbs: float, warmup_ms: int, rep_ms: int, columns: set, on_row=None):
@@ -245,7 +80,7 @@ def run(configs, sets: int, hbm_tbs: float, warmup_ms: int, rep_ms: int, columns
                                     warmup_ms, rep_ms)
         base_key = (c.model, c.T)
         if base_key not in base_cache:
-            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], -1)) for b in batches]
+            base_batches = [no_adapter(b) for b in batches]
             base_cache[base_key] = {"base_us": time_graph(
                 [op_call(lay[s % 2], stacks[s], base_batches[s]) for s in range(sets)], warmup_ms, rep_ms)}
             if "hf" in columns and lay[0].hf is not None:
@@ -281,21 +116,13 @@ COLUMNS = ["model", "T", "L", "R", "no_lora_fraction", "ours_us", "base_us", "de
            "vllm_delta_us", "floor_us", "ours_gbs", "pct_floor"]
 
 
-def _fmt(v):
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 10 else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
-    return str(v)
-
-
 def fmt_row(row) -> str:
-    return " ".join(f"{k}={_fmt(row.get(k))}" for k in COLUMNS)
+    return " ".join(f"{k}={fmt(row.get(k))}" for k in COLUMNS)
 
 
 def markdown(results) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r.get(k)) for k in COLUMNS) + " |" for r in results]
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k in COLUMNS) + " |" for r in results]
     return "\n".join(lines)
 
 
@@ -321,115 +148,6 @@ def targets(results) -> str:
             out.append(f"- LoRA overhead over base {r['model']} T={r['T']} L={r['L']} R={r['R']}: {100 * ov:.1f}% "
                        f"(goal <= 15%): {'met' if ov <= 0.15 else 'missed'}")
     return "\n".join(out)
-
-
-# --decode-ablation: (column, config overrides, per-pair configs only), each against the op's own config (tuned
-# entry or heuristic). Overrides use dotted keys for nested entries ("w13.SPLIT_K"). The launcher is called
-# directly so that one run can switch them per call.
-NO_SPLIT = {"w13.SPLIT_K": 1, "w2.SPLIT_K": 1}
-ABLATION_VARIANTS = [
-    ("nosplit", NO_SPLIT, False),                       # base GEMMs without split-K
-    ("split", {"w13.SPLIT_K": 4, "w2.SPLIT_K": 2}, True),  # w13 K in 4 slices, w2 K in 2 (per-pair path)
-    ("no_overlap", {"w13_overlap": False}, False),      # w13 waits for shrink13 before its main loop
-    ("nopdl", {"pdl": False}, False),                   # no programmatic dependent launch
-    ("early", {"pdl": "early"}, False),                 # PDL, next kernel launched at program start
-    ("unfused_sum", {"fuse_topk_sum": False}, True),    # per-pair w2 rows + torch top-k sum
-]
-# per-pair path forced (fused w2 shrink and top-k sum, PDL late) where the tuned/heuristic config is sorted
-FORCED_PER_PAIR = {"per_pair": True, "fuse_shrink2": True, "fuse_topk_sum": True, "pdl": "late"}
-ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "split13", "split2", "op_us"] + [
-    v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair", "base", "base_nosplit", "floor_us", "op_vs_floor",
-                                        "best", "best_us", "best_vs_floor", "lora_overhead"]
-
-
-def with_overrides(cfg: dict, overrides: dict) -> dict:
-    """A copy of ``cfg`` with ``overrides`` applied; a dotted key ("w13.SPLIT_K") sets a nested entry."""
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
-    for key, value in overrides.items():
-        if "." in key:
-            outer, inner = key.split(".", 1)
-            out[outer][inner] = value
-        else:
-            out[key] = value
-    return out
-
-
-def launcher_call(layer: Layer, lora, batch, cfg: dict):
-    from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton
-    g = layer.geometry
-    x, ids, w, lora_ids = batch
-    return lambda: fused_moe_lora_triton(
-        x, ids, w, lora_ids, layer.w13, layer.w2, *lora, w13_bias=layer.w13_bias, w2_bias=layer.w2_bias,
-        layout=g.layout, activation=g.activation, config=cfg)
-
-
-def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, warmup_ms: int, rep_ms: int,
-                    on_row=None):
-    from moe_lora_compile.ops.triton.configs import get_config
-    from moe_lora_compile.ops.triton.pdl import pdl_supported
-    if not pdl_supported(torch.device("cuda")):
-        print("# PDL is not supported here (pre-SM90 or this Triton lacks it): pdl columns equal nopdl", flush=True)
-    results = []
-    total = len(models) * len(tokens) * len(ranks)
-    for model in models:
-        g = MODELS[model]
-        torch.cuda.empty_cache()
-        lay = [make_layer(g, seed) for seed in (1, 2)]
-        for T in tokens:
-            batches = [make_batch(g, T, L, 0.0, seed=100 + s) for s in range(sets)]
-            base_batches = [(b[0], b[1], b[2], torch.full_like(b[3], -1)) for b in batches]
-            for R in ranks:
-                t0 = time.time()
-                stacks = [lora_stacks(lay[s % 2], L, R) for s in range(sets)]
-                cfg = get_config(torch.device("cuda"), g.E, g.H, g.I, R, T, g.k)
-
-                def timed(overrides, bs=batches):
-                    c = with_overrides(cfg, overrides)
-                    return time_graph([launcher_call(lay[s % 2], stacks[s], bs[s], c) for s in range(sets)],
-                                      warmup_ms, rep_ms)
-
-                row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg["per_pair"] else "sorted",
-                       "split13": cfg["w13"].get("SPLIT_K", 1),
-                       "split2": cfg["w2"].get("SPLIT_K", 1) if cfg["per_pair"] else 1}
-                row["op_us"] = time_graph([op_call(lay[s % 2], stacks[s], batches[s]) for s in range(sets)],
-                                          warmup_ms, rep_ms)
-                for name, overrides, per_pair_only in ABLATION_VARIANTS:
-                    row[name] = None if per_pair_only and not cfg["per_pair"] else timed(overrides)
-                row["forced_per_pair"] = None if cfg["per_pair"] else timed(FORCED_PER_PAIR)
-                row["base"] = timed({}, base_batches)
-                row["base_nosplit"] = timed(NO_SPLIT, base_batches)
-                nbytes = sum(bytes_moved(g, R, b) for b in batches) / sets
-                row["floor_us"] = nbytes / (hbm_tbs * 1e12) * 1e6
-                row["op_vs_floor"] = row["op_us"] / row["floor_us"]
-                candidates = {k: row[k] for k in ["op_us"] + [v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair"]
-                              if row[k] is not None}
-                row["best"] = min(candidates, key=candidates.get)
-                row["best_us"] = candidates[row["best"]]
-                row["best_vs_floor"] = row["best_us"] / row["floor_us"]
-                row["lora_overhead"] = row["op_us"] / row["base"] - 1
-                results.append(row)
-                if on_row is not None:
-                    on_row(results)
-                print(f"[{len(results)}/{total}] " + " ".join(f"{k}={_fmt(row.get(k))}" for k in ABLATION_COLUMNS)
-                      + f"  ({time.time() - t0:.1f}s)", flush=True)
-        lay = None  # free the weight sets before the next model
-    return results
-
-
-def ablation_markdown(results) -> str:
-    lines = ["| " + " | ".join(ABLATION_COLUMNS) + " |", "|" + "---|" * len(ABLATION_COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(r.get(k)) for k in ABLATION_COLUMNS) + " |" for r in results]
-    notes = [
-        "",
-        "us per layer call (median of CUDA-graph replays, L2 flushed, weights alternating two sets), bf16, every "
-        "token with an adapter. `op_us`: torch.ops.moe_lora.fused_moe_lora with its own config (`split13`/`split2`: "
-        "its w13 / w2 split-K); the other columns change one thing of that config: `nosplit` no split-K, `split` "
-        "w13 split-K 4 and w2 split-K 2, `no_overlap` w13 waits for shrink13 before its main loop, `nopdl` "
-        "PDL off, `early` PDL triggered at program start, `unfused_sum` per-pair w2 rows + a torch top-k sum, "
-        "`forced_per_pair` the per-pair path where the config is sorted; `base` / `base_nosplit`: every token -1; "
-        "`lora_overhead` = op_us / base - 1; `*_vs_floor`: over the HBM floor (goal <= 1.3).",
-    ]
-    return "\n".join(lines + notes)
 
 
 def profile(configs):

@@ -5,7 +5,8 @@ benchmark's models (q/k/v/o shapes from :data:`moe_lora_compile.shapes.DECODE_MO
 
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays with the L2 flushed (weights cold);
 ``floor`` = bytes (weight + the batch's distinct adapters' A and B + x, y) at ``--hbm-tbs``. ``--configs`` also times
-a few alternative kernel configs per shape (what the heuristic in ``launch.default_linear_config`` is chosen from).
+alternative kernel configs per shape at T = 1 and 8 (column tile x K step x split-K; what the heuristic in
+``launch.default_linear_config`` is chosen from).
 
     python benchmarks/bench_lora_linear.py --tokens 1 8 32 64 --json lin.json --md lin.md [--configs]
 """
@@ -26,10 +27,11 @@ from moe_lora_compile.shapes import DECODE_MODELS
 
 
 def projections(name: str) -> dict[str, tuple[int, int]]:
-    """``{proj: (in, out)}`` of one attention layer of a decode model."""
+    """``{proj: (in, out)}`` of one attention layer of a decode model (``qkv``: the fused q/k/v of
+    ``attach(fuse_qkv=True)``)."""
     m = DECODE_MODELS[name]
     H, q, kv = m.moe.H, m.heads * m.head_dim, m.kv_heads * m.head_dim
-    return {"q": (H, q), "k": (H, kv), "o": (q, H)}
+    return {"q": (H, q), "k": (H, kv), "qkv": (H, q + 2 * kv), "o": (q, H)}
 
 
 def graph_time_us(fn, flush: torch.Tensor) -> float:
@@ -53,6 +55,8 @@ def graph_time_us(fn, flush: torch.Tensor) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(DECODE_MODELS))
+    p.add_argument("--projs", nargs="+", default=["q", "k", "qkv", "o"], choices=["q", "k", "qkv", "o"],
+                   help="projections to time, in this order")
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--rank", type=int, default=32)
@@ -64,7 +68,8 @@ def main(argv=None) -> int:
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.float32, device=dev)
     rows = []
     for model in args.models:
-        for proj, (n_in, n_out) in projections(model).items():
+        for proj in args.projs:
+            n_in, n_out = projections(model)[proj]
             g = torch.Generator(device=dev).manual_seed(0)
             w = torch.randn(n_out, n_in, device=dev, dtype=torch.bfloat16, generator=g) * n_in ** -0.5
             a = torch.randn(args.slots, args.rank, n_in, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
@@ -88,18 +93,19 @@ def main(argv=None) -> int:
                 if args.configs and T in (1, 8):
                     base_cfg = default_linear_config(T, n_in, n_out, _num_sms(dev))
                     alts = {}
-                    for bn in (16, 32, 64):
+                    for bn in (32, 64, 128):
                         for bk in (128, 256):
-                            for stages in (4,):
+                            for split in (1, 2, 4, 8):
                                 cfg = json.loads(json.dumps(base_cfg))
-                                cfg["gemm"].update(BLOCK_N=bn, BLOCK_K=bk, num_stages=stages)
+                                cfg["gemm"].update(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split)
+                                key = f"n{bn}k{bk}x{split}"
                                 try:
-                                    alts[f"n{bn}k{bk}s{stages}"] = graph_time_us(
+                                    alts[key] = graph_time_us(
                                         lambda: lora_linear_triton(x, w, a, b, ids, config=cfg), flush)
                                 except Exception:  # a config that does not compile (shared memory)
-                                    alts[f"n{bn}k{bk}s{stages}"] = float("nan")
+                                    alts[key] = float("nan")
                     best = min(alts, key=lambda k: alts[k] if alts[k] == alts[k] else 1e9)
-                    row.update(best_config=best, best_us=alts[best], default_config=base_cfg["gemm"])
+                    row.update(best_config=best, best_us=alts[best], default_config=base_cfg["gemm"], configs=alts)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

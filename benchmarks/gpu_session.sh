@@ -20,7 +20,7 @@ python3 -m pytest -m gpu -q -p no:cacheprovider -rfE 2>&1 | tee "$OUT/gpu_tests.
 tests_rc=${PIPESTATUS[0]}
 if [ "$MODE" = tune-decode ]; then
   for model in gpt-oss-20b qwen3-30b-a3b; do
-    python3 -m moe_lora_compile.tune --model $model --tokens 1 8 --ranks 16 --start shipped \
+    python3 -m moe_lora_compile tune --model $model --tokens 1 8 --ranks 16 --start shipped \
       --groups w13.SPLIT_K w13.BLOCK_N w13.SPLIT_K w2.SPLIT_K pdl 2>&1 | tee -a "$OUT/tune.log"
   done
   cp moe_lora_compile/configs/*.json "$OUT/"

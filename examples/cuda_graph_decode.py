@@ -4,7 +4,7 @@
         [--sliding-window N]
 
 Builds the demo's tiny random MoE model with three PEFT adapters (``python -m moe_lora_compile demo``), attaches it
-with ``use_ops=True`` (the Triton kernels on a GPU), captures decode graphs for batch buckets 1, 2, 4 and 8, and
+again (``attach``'s default ``use_ops=True``: the ops, so the Triton kernels on a GPU), captures decode graphs for batch buckets 1, 2, 4 and 8, and
 checks greedy generation against ``mm.generate``. Without CUDA it says so and runs the same static-buffer steps
 eagerly (``capture=False``).
 
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                       workdir=workdir, config_overrides=overrides)
         if overrides:
             print(f"tiny {args.family}: sliding window {overrides['sliding_window']} tokens")
-        mm = attach(copy.deepcopy(setup.base), max_loras=4, max_rank=8, use_ops=cuda)
+        mm = attach(copy.deepcopy(setup.base), max_loras=4, max_rank=8)
         for name in ADAPTERS:
             mm.load_adapter(name, f"{workdir}/{name}")
         prompt, adapters = setup.input_ids, ["alpha", None, "gamma"]

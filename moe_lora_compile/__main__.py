@@ -1,10 +1,11 @@
-"""``python -m moe_lora_compile {demo,dump,serve-bench}`` (also the ``moe-lora-compile`` console script).
+"""``python -m moe_lora_compile {demo,dump,tune,serve-bench}`` (also the ``moe-lora-compile`` console script).
 
 - ``demo``: a tiny random MoE model (``--family``, Qwen3-MoE by default), three LoRA adapters made and saved with
   PEFT's own API, compiled with the moe_lora pass, one mixed-adapter batch checked against the eager reference, and
   a short report (graphs, graph breaks, recompiles, fused ops, tokens/s). On a GPU the fused ops run the Triton
   kernels; on the CPU their reference impls.
 - ``dump``: the same model compiled under ``depyf.prepare_debug(folder)``; prints where the fused ops are.
+- ``tune``: the kernel tuner on a CUDA GPU, :mod:`moe_lora_compile.ops.triton.tune` (its own arguments and ``--help``).
 - ``serve-bench``: ``benchmarks/bench_serving.py`` (the serving benchmark) with the options that follow; its tiny
   mode when there is no CUDA device.
 
@@ -50,11 +51,13 @@ class Setup:
 
 
 def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, seq_len: int,
-          workdir: str, max_rank: int = 8, config_overrides: Optional[dict] = None) -> Setup:
+          workdir: str, max_rank: int = 8, config_overrides: Optional[dict] = None,
+          use_ops: bool = False) -> Setup:
     """Tiny ``family`` model, three PEFT adapters saved to ``workdir`` and loaded into an attached model.
 
     ``family``: a short name or a model_type (``llama4`` or ``llama4_text``); ``config_overrides`` go to
-    :func:`~moe_lora_compile.models.tiny.tiny_config` (e.g. ``sliding_window``)."""
+    :func:`~moe_lora_compile.models.tiny.tiny_config` (e.g. ``sliding_window``). ``use_ops`` goes to ``attach``;
+    ``False`` here (unlike ``attach``'s default): the modules emit the reference, which the demo's pass fuses."""
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -67,7 +70,7 @@ def build(family: str, *, dtype: torch.dtype, device: torch.device, batch: int, 
     torch.manual_seed(0)
     config = tiny_config(family, **(config_overrides or {}))
     base = AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=dtype)
-    model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank)
+    model = attach(copy.deepcopy(base), max_loras=4, max_rank=max_rank, use_ops=use_ops)
     for seed, (name, rank) in enumerate(zip(ADAPTERS, ADAPTER_RANKS)):
         with warnings.catch_warnings():  # PEFT 0.21 calls a property transformers 5.x deprecated; not ours
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -207,7 +210,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-lora-compile", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,dump,serve-bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,dump,tune,serve-bench}")
     for name, help_text in (("demo", "compile a tiny MoE model with three PEFT adapters and check it"),
                             ("dump", "write a depyf dump of the compiled demo model")):
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -224,6 +227,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--seq-len", type=int, default=8, help="tokens per sequence (default 8)")
         else:
             p.add_argument("folder", help="where depyf writes the dump (only files written by this run count)")
+    sub.add_parser("tune", add_help=False,  # main() hands its arguments to moe_lora_compile.ops.triton.tune
+                   help="tune the Triton kernels' configs for a model on this GPU (`tune --help`)")
     sub.add_parser("serve-bench", add_help=False, help=SERVE_BENCH_HELP)  # its options: see run_serve_bench
     return parser
 
@@ -272,6 +277,10 @@ def _device_error(device: Optional[str]) -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:  # the tuner parses its own arguments
+        from .ops.triton.tune import main as tune
+
+        return tune(argv[1:])
     if argv[:1] == ["serve-bench"]:  # its options belong to the benchmark's own parser
         return run_serve_bench(argv[1:])
     args = _parser().parse_args(argv)  # before torch loads: --help and bad arguments answer at once

@@ -1,8 +1,10 @@
 """Every environment switch of moe_lora_compile, in one place: its name, default and meaning.
 
-Switches are read where they act, at call time (so ``monkeypatch.setenv`` and a shell ``export`` both work), except
-``MOE_LORA_PASS_LOG``, which sets up the pass's logger once, when :mod:`moe_lora_compile.passes` is imported.
-Imports nothing heavy (the CLI reads it before torch is loaded).
+Switches read on the hot path (every kernel launch or op call: ``MOE_LORA_PDL``, ``MOE_LORA_CHECK_IDS``,
+``TRITON_INTERPRET``) are read once, at their first use, and kept (``read_once``); :func:`reload` forgets what was
+read (tests that change them call it). ``MOE_LORA_PASS_LOG`` is read once too, when :mod:`moe_lora_compile.passes`
+is imported (it sets up the pass's logger). The others are read where they act, at call time. Imports nothing heavy
+(the CLI reads it before torch is loaded).
 """
 
 from __future__ import annotations
@@ -14,20 +16,35 @@ from typing import Optional
 _OFF = ("", "0", "false", "off", "no")
 
 
+_READ: dict[str, Optional[str]] = {}  # read_once switches: name -> value at first use (None: unset)
+
+
+def reload() -> None:
+    """Forget the values of the ``read_once`` switches: the next use reads the environment again."""
+    _READ.clear()
+
+
 @dataclass(frozen=True)
 class Switch:
-    """One environment variable: ``name``, the value used when it is unset (``default``), what it does (``doc``)."""
+    """One environment variable: ``name``, the value used when it is unset (``default``), what it does (``doc``);
+    ``read_once``: read at first use and kept (hot-path switches)."""
 
     name: str
     default: str
     doc: str
+    read_once: bool = False
 
     def raw(self) -> Optional[str]:
         """The variable's value, or None when it is unset."""
-        return os.environ.get(self.name)
+        if not self.read_once:
+            return os.environ.get(self.name)
+        if self.name not in _READ:
+            _READ[self.name] = os.environ.get(self.name)
+        return _READ[self.name]
 
     def value(self) -> str:
-        return os.environ.get(self.name, self.default)
+        raw = self.raw()
+        return self.default if raw is None else raw
 
     def enabled(self) -> bool:
         """False for ``0``, ``false``, ``off``, ``no`` or empty (case-insensitive), True for anything else."""
@@ -37,10 +54,11 @@ class Switch:
 PDL = Switch("MOE_LORA_PDL", "late",
              "programmatic dependent launch between a layer's kernels on SM90+: 0 (off), late (default: the next "
              "kernel may launch once this one's programs are past their main loop), early, 1 (= late); when set it "
-             "wins over a tuned config entry's 'pdl' (see moe_lora_compile.ops.triton.pdl)")
+             "wins over a tuned config entry's 'pdl' (precedence: moe_lora_compile.ops.triton.configs.requested_pdl)",
+             read_once=True)
 CHECK_IDS = Switch("MOE_LORA_CHECK_IDS", "1",
                    "device-side range asserts of topk_ids / token_lora_ids in the CUDA impls (no host sync; off while "
-                   "a CUDA graph is captured); 0 turns them off")
+                   "a CUDA graph is captured); 0 turns them off", read_once=True)
 PASS_LOG = Switch("MOE_LORA_PASS_LOG", "0",
                   "1: log every rewrite of the compile pass and every near miss with the reason it was rejected")
 PROGRESS = Switch("MOE_LORA_PROGRESS", "",
@@ -55,4 +73,5 @@ VLLM = Switch("MOE_LORA_VLLM", "0",
 SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM)
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
-TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter")
+TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",
+                          read_once=True)

@@ -1,12 +1,14 @@
 """Model geometries and the benchmark grid: the one place for these numbers (from the models' public config.json).
 
-H hidden, I expert intermediate, E routed experts, k experts per token. Layout and activation names are those of
-:mod:`moe_lora_compile.ops.contract`.
+H hidden, I expert intermediate, E routed experts, k experts per token. Layout names are those of :mod:`moe_lora_compile.ops.layout`,
+activation names those of :mod:`moe_lora_compile.ops.contract`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .ops.layout import CONCAT, TRANSPOSED_INTERLEAVED
 
 
 @dataclass(frozen=True)
@@ -35,11 +37,11 @@ class BenchmarkGrid:
 
 
 GPT_OSS_20B = MoEGeometry("gpt-oss-20b", H=2880, I=2880, E=32, k=4, layers=24,
-                          layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
+                          layout=TRANSPOSED_INTERLEAVED, activation="gptoss_swiglu", bias=True)
 QWEN3_30B_A3B = MoEGeometry("qwen3-30b-a3b", H=2048, I=768, E=128, k=8, layers=48,
-                            layout="concat", activation="silu", bias=False)
+                            layout=CONCAT, activation="silu", bias=False)
 MIXTRAL_8X7B = MoEGeometry("mixtral-8x7b", H=4096, I=14336, E=8, k=2, layers=32,
-                           layout="concat", activation="silu", bias=False)
+                           layout=CONCAT, activation="silu", bias=False)
 
 MODELS: dict[str, MoEGeometry] = {m.name: m for m in (GPT_OSS_20B, QWEN3_30B_A3B, MIXTRAL_8X7B)}
 

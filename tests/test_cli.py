@@ -44,7 +44,7 @@ def test_help_and_bad_family_answer_before_torch_loads():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_no_cuda_is_one_line_and_exit_2():
     _one_error_line(_run("-m", "moe_lora_compile", "demo", "--device", "cuda"), "CUDA is not available")
-    _one_error_line(_run("-m", "moe_lora_compile.tune", "--model", "qwen3-30b-a3b", "--tokens", "1"),
+    _one_error_line(_run("-m", "moe_lora_compile", "tune", "--model", "qwen3-30b-a3b", "--tokens", "1"),
                     "CUDA is not available")
 
 

@@ -36,6 +36,8 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import Tensor
 
+from ..ops.layout import is_interleaved, is_transposed, merge_gate_up
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
@@ -360,7 +362,7 @@ def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: boo
         return
     what = f"adapter made for a {recorded!r} base ({config.base_model_source}), loaded into a {model_type!r} model"
     if has_experts and theirs is not None and theirs.layout is not None and experts_layout is not None \
-            and (theirs.layout == "transposed_interleaved") != (experts_layout == "transposed_interleaved"):
+            and is_interleaved(theirs.layout) != is_interleaved(experts_layout):
         raise _config_error(f"{what}: its expert gate/up axis is {theirs.layout!r}, this model's {experts_layout!r}; "
                             f"the expert weights would be read with gate and up mixed up")
     warnings.warn(f"{what}; loading it because its names and shapes fit", stacklevel=3)
@@ -463,7 +465,7 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
         else:
             old_peft = config.a_on_weight_dim1()
             # Weight dim 1 is the output for [E, out, in] (concat) and the input for transposed layouts.
-            a_on_output = (not target.layout.startswith("transposed")) if old_peft else target.peft_a_on_output
+            a_on_output = (not is_transposed(target.layout)) if old_peft else target.peft_a_on_output
         if a_on_output:  # delta = A^T B^T per expert: our A is PEFT's B^T, our B is PEFT's A^T
             a_r, b_r = b_r.transpose(1, 2), a_r.transpose(1, 2)
         b_r = b_r * config.scaling_of(f"{name}.{param}")
@@ -495,13 +497,6 @@ def _stack_experts(experts: dict[int, tuple[str, Tensor, Tensor]], E: int, n_in:
     return a_all, b_all
 
 
-def _merge_gate_up(gate: Optional[Tensor], up: Optional[Tensor], layout: str) -> Tensor:
-    """``gate``/``up`` row blocks ``[E, I, r]`` -> ``[E, 2I, r]`` in the layout's gate/up order."""
-    if layout == "transposed_interleaved":
-        return torch.stack([gate, up], dim=2).flatten(1, 2)
-    return torch.cat([gate, up], dim=1)
-
-
 def _experts_from_per_expert(leaves, target: ExpertsTarget, config: AdapterConfig) -> ExpertsLoRA:
     E, H, I = target.num_experts, target.hidden, target.intermediate
     gate_name, up_name, down_name = target.per_expert_names
@@ -514,7 +509,7 @@ def _experts_from_per_expert(leaves, target: ExpertsTarget, config: AdapterConfi
         return out
     if gate is not None and up is not None and gate[0].shape == up[0].shape and torch.equal(gate[0], up[0]):
         out.a13 = gate[0]
-        out.b13 = _merge_gate_up(gate[1], up[1], target.layout)
+        out.b13 = merge_gate_up(gate[1], up[1], target.layout, dim=1)  # [E, I, r] x 2 -> [E, 2I, r]
         return out
     # Separate A's: stack them and make B block-diagonal, so gate rows only see gate's rank and up rows up's.
     parts = [p for p in (gate, up) if p is not None]
@@ -527,5 +522,5 @@ def _experts_from_per_expert(leaves, target: ExpertsTarget, config: AdapterConfi
         gate_b[:, :, :r_gate] = gate[1]
     if up is not None:
         up_b[:, :, r_gate:] = up[1]
-    out.b13 = _merge_gate_up(gate_b, up_b, target.layout)
+    out.b13 = merge_gate_up(gate_b, up_b, target.layout, dim=1)
     return out

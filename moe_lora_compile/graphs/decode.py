@@ -153,14 +153,21 @@ class DecodeGraphs:
     with static shapes (one graph per bucket, ``dynamic=False``) in Inductor's default mode, not
     ``"reduce-overhead"``: this class captures the compiled step in its own CUDA graph per bucket, so Inductor's
     CUDA graphs would only nest inside ours. The prefill is compiled once with a dynamic chunk length
-    (``dynamic=True``). The compile happens during :meth:`capture` (warm-up runs) and the first prefill; later
-    adapter mixes, hot swaps and batches within a bucket reuse the graphs.
+    (``dynamic=True``), unless ``compile_prefill=False`` (the prefill then runs eagerly: a slower first token, but
+    no prefill compile, ~2 minutes for a 20B model on the H200). The compile happens during :meth:`capture` (warm-up
+    runs) and the first prefill; later adapter mixes, hot swaps and batches within a bucket reuse the graphs.
+
+    ``fold_gqa=True`` (default) switches a model on transformers' ``"eager"`` attention (GPT-OSS, or any model
+    loaded with ``attn_implementation="eager"``) to the same attention with grouped query heads folded into the
+    matmuls (:mod:`moe_lora_compile.models.attention`): no ``repeat_kv`` copies of the cache in every step. It
+    changes ``mm.model``'s attention implementation for good (its own ``generate`` too); same results.
     """
 
     def __init__(self, mm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_cache_len: int = 512,
                  num_speculative_tokens: int = 0, capture: Optional[bool] = None,
                  pad_token_id: Optional[int] = None, warmup: int = 2,
-                 log: Optional[Callable[[str], None]] = print, compile=False):
+                 log: Optional[Callable[[str], None]] = print, compile=False, compile_prefill: bool = True,
+                 fold_gqa: bool = True):
         from ..models.attach import MultiLoRAModel
 
         if not isinstance(mm, MultiLoRAModel):
@@ -186,6 +193,10 @@ class DecodeGraphs:
                              f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
 
         self.mm = mm
+        if fold_gqa:
+            from ..models.attention import use_folded_gqa_attention
+
+            use_folded_gqa_attention(mm.model)
         self.batch_sizes = tuple(sizes)
         self.max_cache_len = max_cache_len
         self.num_speculative_tokens = num_speculative_tokens
@@ -207,7 +218,8 @@ class DecodeGraphs:
             if "mode" not in options:  # torch.compile takes mode or options, not both
                 options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
             self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
-            self._prefill_fn = torch.compile(_prefill_forward, dynamic=True, **options)
+            self._prefill_fn = (torch.compile(_prefill_forward, dynamic=True, **options) if compile_prefill
+                                else _prefill_forward)
         else:
             self._decode_fn, self._prefill_fn = _decode_forward, _prefill_forward
         self.log = log

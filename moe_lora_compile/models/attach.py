@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -30,11 +30,20 @@ from torch import Tensor
 from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter
 from ..adapters.slots import AdapterSlots, AdapterWeights
 from ..ops.contract import NO_ADAPTER
-from .dense import LoRALinear, fuse_qkv, point_qkv_views, qkv_fusion_problem, qkv_views_intact
+from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intact, fusion_problem,
+                    point_fused_views)
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
                       register_experts_implementation)
 from .families import Family, family_for, find_dense_targets, find_experts
 
+
+
+def _child(model: nn.Module, name: str) -> Optional[nn.Module]:
+    """The submodule ``name`` of ``model``, or None if there is none."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
@@ -57,7 +66,7 @@ class MultiLoRAModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, family: Family, *, max_loras: int, max_rank: int, max_tokens: int,
-                 use_ops: bool, target_modules: Optional[Sequence[str]], fuse_qkv: bool = False):
+                 use_ops: bool, target_modules: Optional[Sequence[str]], fuse: Sequence[str] = ()):
         super().__init__()
         self.model = model
         self.family = family
@@ -73,7 +82,10 @@ class MultiLoRAModel(nn.Module):
         self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
         experts = self._attach_experts(use_ops)
         linears = self._attach_linears(target_modules, use_ops)
-        self._qkv_leaders = self._fuse_qkv(linears) if fuse_qkv else []
+        # fused sibling groups (member module names, in call order), the groups left unfused -> why
+        self.fused_groups: list[tuple[str, ...]] = []
+        self.unfused_groups: dict[tuple[str, ...], str] = {}
+        self._fused_leaders = self._fuse_siblings(linears, fuse)
         self.slots = AdapterSlots(experts, linears, max_loras)
         self._experts_targets = {name: self._experts_target(m) for name, m in experts.items()}
         self._linear_targets = {name: LinearTarget(m.in_features, m.out_features) for name, m in linears.items()}
@@ -111,28 +123,38 @@ class MultiLoRAModel(nn.Module):
             linears[name] = wrapped
         return linears
 
-    def _fuse_qkv(self, linears: dict[str, nn.Module]) -> list[LoRALinear]:
-        """Fuse every attention whose q_proj / k_proj / v_proj are all wrapped and compatible; returns the q
-        modules (holders of the fused buffers). Others (MLA attention, q/k/v not all targets) stay unfused."""
+    def _fuse_siblings(self, linears: dict[str, nn.Module], groups: Sequence[str]) -> list[LoRALinear]:
+        """Fuse every group of :data:`~moe_lora_compile.models.dense.FUSIBLE_GROUPS` named in ``groups`` whose
+        members are children of one module, all wrapped and compatible; returns the leaders (holders of the fused
+        buffers). A group whose members all exist, some wrapped, but that cannot be fused is recorded in
+        ``unfused_groups`` with the reason."""
         leaders = []
-        for name, q in linears.items():
-            parent, _, leaf = name.rpartition(".")
-            if leaf != "q_proj":
-                continue
+        for parent in dict.fromkeys(name.rpartition(".")[0] for name in linears):
             prefix = f"{parent}." if parent else ""
-            k, v = linears.get(f"{prefix}k_proj"), linears.get(f"{prefix}v_proj")
-            if k is not None and v is not None and qkv_fusion_problem(q, k, v) is None:
-                fuse_qkv(q, k, v)
-                leaders.append(q)
+            for group in groups:
+                for leaves in FUSIBLE_GROUPS[group]:
+                    names = tuple(prefix + leaf for leaf in leaves)
+                    modules = [_child(self.model, n) for n in names]
+                    if any(m is None for m in modules) or not any(n in linears for n in names):
+                        continue  # not this family's layout (or nothing adapted here)
+                    missing = [leaf for leaf, n in zip(leaves, names) if n not in linears]
+                    problem = (f"{', '.join(missing)} not a LoRA target (not wrapped)" if missing
+                               else fusion_problem(modules))
+                    if problem is not None:
+                        self.unfused_groups[names] = problem
+                        continue
+                    fuse_siblings(modules)
+                    self.fused_groups.append(names)
+                    leaders.append(modules[0])
         return leaders
 
-    def _check_qkv_fusion(self) -> None:
-        for q in self._qkv_leaders:
-            if not qkv_views_intact(q):
+    def _check_fusion(self) -> None:
+        for leader in self._fused_leaders:
+            if not fused_views_intact(leader):
                 raise RuntimeError(
-                    "model: the fused q/k/v buffers no longer alias the projections' weights and LoRA buffers (was "
-                    "the wrapped model moved or cast by itself, e.g. mm.model.to(...)?); move the MultiLoRAModel "
-                    "(mm.to(...)), which keeps them fused, or attach with fuse_qkv=False")
+                    "model: the fused buffers no longer alias the fused linears' weights and LoRA buffers (was the "
+                    "wrapped model moved or cast by itself, e.g. mm.model.to(...)?); move the MultiLoRAModel "
+                    "(mm.to(...)), which keeps them fused, or attach without fusion (fuse=False, fuse_qkv=False)")
 
     def _experts_target(self, module: nn.Module) -> ExpertsTarget:
         E, H, I = experts_geometry(module, self.family.layout)
@@ -144,13 +166,13 @@ class MultiLoRAModel(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # nn.Module.to() converts each module's copy of the shared buffer separately: re-share ours afterwards.
-        # Likewise it converts the fused q/k/v buffers and their views separately: point the views back at the
+        # Likewise it converts the fused sibling buffers and their views separately: point the views back at the
         # (converted) fused buffers, which frees the separate copies.
         result = super()._apply(fn, recurse)
         if hasattr(self, "slots"):
             self._share_id_buffers()
-            for q in self._qkv_leaders:
-                point_qkv_views(q)
+            for leader in self._fused_leaders:
+                point_fused_views(leader)
         return result
 
     def _share_id_buffers(self) -> None:
@@ -206,7 +228,7 @@ class MultiLoRAModel(nn.Module):
                                  or not 0 <= slot < self.max_loras):
             raise ValueError(f"slot must be an int in [0, {self.max_loras}), got {slot!r}")
         with self.lock:  # waits for a running forward: a hot swap never lands in the middle of one
-            self._check_qkv_fusion()
+            self._check_fusion()
             self._check_name(name, replace)  # another thread may have loaded it meanwhile
             if name in self.slots.names:
                 if slot is not None and slot != self.slots.slot_of(name):
@@ -232,7 +254,7 @@ class MultiLoRAModel(nn.Module):
     def unload_adapter(self, name: str) -> None:
         """Zero the slot of ``name`` and free it; KeyError if not loaded. Waits for a running forward."""
         with self.lock:
-            self._check_qkv_fusion()
+            self._check_fusion()
             self.slots.clear(name)
 
     # --- running ---------------------------------------------------------------------------------------------
@@ -358,38 +380,59 @@ class MultiLoRAModel(nn.Module):
 
 
 def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,
-           use_ops: bool = False, target_modules: Optional[Sequence[str]] = None,
-           fuse_qkv: bool = False) -> MultiLoRAModel:
+           use_ops: bool = True, target_modules: Optional[Sequence[str]] = None,
+           fuse_qkv: bool = False, fuse: Union[bool, str, Sequence[str]] = False) -> MultiLoRAModel:
     """Prepare a transformers causal LM (modified in place) for multi-LoRA serving.
 
     Routes its MoE experts through our experts implementation and wraps its dense LoRA targets (the family's
     attention / MLP / shared-expert linears, or the leaf names in ``target_modules``) with slot buffers of
-    ``max_loras`` adapters of rank up to ``max_rank``. By default they call the traceable references
-    (``moe_lora_compile.ops.reference``), which the compile pass turns into the fused ops; ``use_ops=True`` calls
-    ``torch.ops.moe_lora.*`` directly (eager GPU use). Move the model to its device and dtype first. The base
+    ``max_loras`` adapters of rank up to ``max_rank``. By default (``use_ops=True``) they call
+    ``torch.ops.moe_lora.*`` directly: the Triton kernels on CUDA, eager or compiled (the ops are opaque to
+    ``torch.compile``, no pass needed), the reference impls on the CPU. ``use_ops=False`` emits the plain-PyTorch
+    references (``moe_lora_compile.ops.reference``, the definition of correctness) instead, which the compile pass
+    turns back into the fused ops (what the pass's tests and the demo exercise). Move the model to its device and dtype first. The base
     model's parameters are frozen (``requires_grad=False``): the ops take no gradient for base weights, and a model
     fresh from ``from_pretrained`` would otherwise make ``mm(...)`` outside ``torch.no_grad()`` an error.
 
-    ``fuse_qkv=True`` computes each attention's q, k and v projections in one ``lora_linear`` call over fused
-    buffers (``weight_qkv [q+k+v, in]``, ``lora_a_qkv [L, 3R, in]``, block-diagonal ``lora_b_qkv [L, q+k+v, 3R]``
-    on the q module; the projections' own weights and slot buffers become views of them, so state-dict names and
-    values, adapter loading and hot swaps are unchanged; see :mod:`moe_lora_compile.models.dense`). Same result as
-    unfused (the fused call's rows are the three calls' rows). Fused only where ``q_proj``, ``k_proj`` and
-    ``v_proj`` of one attention are all wrapped, with the same ``in_features``, dtype and device and biases on all
-    or none; everything else stays unfused: DeepSeek-V3's MLA attention (no k/v projections), ``target_modules``
-    naming only some of q/k/v. Moving or casting after attach: ``mm.to(...)`` keeps the fusion (it re-points the
-    views at the converted fused buffers); moving the wrapped model alone (``mm.model.to(...)``) breaks it, and
-    the next ``load_adapter`` / ``unload_adapter`` raises. Default ``False``: the fused path has been checked on
-    the CPU (reference and the Triton kernels in the interpreter) but not yet run or measured on a GPU.
+    ``fuse`` computes sibling LoRA linears that the model calls on the same input in one ``lora_linear`` call
+    over fused buffers: ``True`` fuses every group in :data:`~moe_lora_compile.models.dense.FUSIBLE_GROUPS`, or
+    name some (a str or a list): ``"qkv"`` (an attention's q/k/v projections), ``"gate_up"`` (gate/up of dense MLPs
+    and shared experts), ``"mla"`` (DeepSeek's ``q_a_proj`` or ``q_proj`` with ``kv_a_proj_with_mqa``).
+    ``fuse_qkv=True`` is ``"qkv"``. The leader (first member) holds ``weight_fused [N, in]``, ``lora_a_fused [L,
+    nR, in]`` and a block-diagonal ``lora_b_fused [L, N, nR]``; the members' own weights and slot buffers become
+    views of them, so state-dict names and values, adapter loading and hot swaps are unchanged (see
+    :mod:`moe_lora_compile.models.dense`). Same result as unfused (the fused call's rows are the members' rows).
+    Fused only where all members are wrapped (LoRA targets), with the same ``in_features``, dtype and device and
+    biases on all or none; other groups stay unfused and ``mm.unfused_groups`` says why (e.g. ``target_modules``
+    naming only some of q/k/v); ``mm.fused_groups`` lists the fused ones. Moving or casting after attach:
+    ``mm.to(...)`` keeps the fusion (it re-points the views at the converted fused buffers); moving the wrapped model
+    alone (``mm.model.to(...)``) breaks it, and the next ``load_adapter`` / ``unload_adapter`` raises. Default off:
+    the fused path has been checked on the CPU (reference and the Triton kernels in the interpreter); whether it
+    pays on a GPU is measured there.
     """
     for arg, value in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
     if not isinstance(fuse_qkv, bool):
         raise TypeError(f"fuse_qkv must be a bool, got {fuse_qkv!r}")
+    groups = _fusion_groups(fuse) + (("qkv",) if fuse_qkv else ())
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
     family = family_for(model)
     model.requires_grad_(False)
     return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
-                          use_ops=use_ops, target_modules=target_modules, fuse_qkv=fuse_qkv)
+                          use_ops=use_ops, target_modules=target_modules,
+                          fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups))
+
+
+def _fusion_groups(fuse) -> tuple[str, ...]:
+    """``attach``'s ``fuse`` (a bool, a group name or a list of them) -> group names; errors name the problem."""
+    if isinstance(fuse, bool):
+        return tuple(FUSIBLE_GROUPS) if fuse else ()
+    names = (fuse,) if isinstance(fuse, str) else fuse
+    if not isinstance(names, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"fuse must be a bool, a group name or a list of them, got {fuse!r}")
+    unknown = sorted(set(names) - set(FUSIBLE_GROUPS))
+    if unknown:
+        raise ValueError(f"fuse: unknown group(s) {unknown}; choose from {list(FUSIBLE_GROUPS)}")
+    return tuple(names)

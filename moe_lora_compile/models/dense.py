@@ -14,36 +14,48 @@ Which input row belongs to which sequence is read from the input's shape, never 
   token count, such as DeepSeek-V3's ``kv_b_proj``, applied after the cache update to the whole cached latent
   ``[B, 1, ctx, r]``.
 
-Fused q/k/v (``attach(..., fuse_qkv=True)``, :func:`fuse_qkv`): an attention's ``q_proj``, ``k_proj`` and
-``v_proj`` share one ``lora_linear`` call. The q module holds the fused buffers (non-persistent):
-``weight_qkv [q+k+v, in]``, ``bias_qkv [q+k+v]`` (or None), ``lora_a_qkv [L, 3R, in]`` (q's rank block rows
-``0:R``, k's ``R:2R``, v's ``2R:3R``) and ``lora_b_qkv [L, q+k+v, 3R]``, block-diagonal (the off-diagonal blocks are
-zero and are never written). Each projection's ``weight`` / ``bias`` (the same Parameter objects, same state-dict
-names) and ``lora_a`` / ``lora_b`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes
-(in-place copies into ``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
+Fused siblings (``attach(..., fuse=...)``, :func:`fuse_siblings`): LoRA linears that the model calls one after
+another on the very same input tensor share one ``lora_linear`` call. :data:`FUSIBLE_GROUPS` lists them in call
+order (as transformers 5.x calls them in every family we serve; the tests count the calls): an attention's
+``q_proj, k_proj, v_proj``; a dense MLP's or shared expert's ``gate_proj, up_proj`` (``act(gate_proj(x)) *
+up_proj(x)``); DeepSeek MLA's ``q_a_proj`` (or ``q_proj``) and ``kv_a_proj_with_mqa``. The first member, the
+leader, holds the fused buffers (non-persistent): ``weight_fused [N, in]`` (``N`` = the members' out_features
+summed), ``bias_fused [N]`` (or None), ``lora_a_fused [L, nR, in]`` (member ``i``'s rank block rows
+``iR:(i+1)R``) and ``lora_b_fused [L, N, nR]``, block-diagonal (the off-diagonal blocks are zero and are never
+written). Each member's ``weight`` / ``bias`` (the same Parameter objects, same state-dict names) and ``lora_a`` /
+``lora_b`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes (in-place copies into
+``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
 
-The attention calls ``q_proj(h)``, ``k_proj(h)``, ``v_proj(h)`` in that order with the same ``h`` (every
-transformers family we serve does). q's forward computes ``[q | k | v]`` for ``h`` in one call and stashes
-``(h, k_out)`` on k and ``(h, v_out)`` on v; k / v return their stash when called with that very tensor (an
-identity check, which Dynamo decides at trace time: no guard, no graph break) and clear it, so nothing is left
-behind after the attention. Called alone or with another input they clear a stale stash and compute their own
-product from their views (one extra launch, same result).
+The leader's forward computes every member's output for its input ``x`` in one call and stashes ``(x, output)`` on
+each other member (a peer); a peer returns its stash when called with that very tensor (an identity check, which
+Dynamo decides at trace time: no guard, no graph break) and clears it, so nothing is left behind after the block.
+Called alone or with another input a peer clears a stale stash and computes its own product from its views (one
+extra launch, same result). A model that called a peer first would still be right, only slower (and would leave
+the leader's stash on the peer until its next call).
 
-Two differences from unfused, both outside serving: the fused call reads ``weight_qkv`` / ``bias_qkv`` (buffers),
-so under autograd the base q/k/v weights get no gradient (the LoRA path's gradients are unchanged; the op treats
-base weights as frozen anyway); and a non-finite value written straight into one projection's ``lora_b`` slot
-(the adapter loader refuses those) turns that slot's rows NaN in all three outputs, not only in that projection's.
+Two differences from unfused, both outside serving: the fused call reads ``weight_fused`` / ``bias_fused``
+(buffers), so under autograd the base weights get no gradient (the LoRA path's gradients are unchanged; the op
+treats base weights as frozen anyway); and a non-finite value written straight into one member's ``lora_b`` slot
+(the adapter loader refuses those) turns that slot's rows NaN in every member's output, not only in that member's.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from ..ops.reference import lora_linear_reference
+
+
+# name -> alternatives, each the leaf names of sibling linears called in this order on the same input tensor
+FUSIBLE_GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "qkv": (("q_proj", "k_proj", "v_proj"),),
+    "gate_up": (("gate_proj", "up_proj"),),  # dense MLPs and shared experts
+    "mla": (("q_a_proj", "kv_a_proj_with_mqa"), ("q_proj", "kv_a_proj_with_mqa")),  # DeepSeek; q_proj: no q LoRA
+}
 
 
 def rows_lora_ids(x: Tensor, token_lora_ids: Tensor, sequence_lora_ids: Tensor) -> Tensor:
@@ -68,23 +80,29 @@ class LoRALinear(nn.Module):
         self.register_buffer("token_lora_ids", token_lora_ids, persistent=False)
         self.register_buffer("sequence_lora_ids", sequence_lora_ids, persistent=False)
         self.use_ops = use_ops
-        self._qkv_peers = None  # on a fused q projection: (k_proj, v_proj), see fuse_qkv
-        self._qkv_sizes = None  # on a fused q projection: (q, k, v) output features
-        self._qkv_stash = None  # on a fused k / v projection, between q's call and its own: (input, output)
+        self._fused_peers = None  # on a group's leader: the other members, in call order (see fuse_siblings)
+        self._fused_sizes = None  # on a group's leader: every member's out_features, its own first
+        self._is_fused_peer = False  # True on a fused group's other members
+        self._fused_stash = None  # on a peer, between the leader's call and its own: (input, output)
 
     @property
-    def fused_qkv(self) -> bool:
-        """True for the q projection of a fused q/k/v group (it holds the fused buffers)."""
-        return self._qkv_peers is not None
+    def leads_fused_group(self) -> bool:
+        """True for the first member of a fused sibling group (it holds the fused buffers)."""
+        return self._fused_peers is not None
+
+    @property
+    def in_fused_group(self) -> bool:
+        """True for every member (leader or peer) of a fused sibling group."""
+        return self.leads_fused_group or self._is_fused_peer
 
     def forward(self, x: Tensor) -> Tensor:
-        stash = self._qkv_stash
-        if stash is not None:  # set by the fused q projection for its input: ours is its slice of [q | k | v]
-            self._qkv_stash = None
+        stash = self._fused_stash
+        if stash is not None:  # set by the group's leader for its input: ours is our slice of its output
+            self._fused_stash = None
             if stash[0] is x:
                 return stash[1]
-        if self._qkv_peers is not None:
-            return self._forward_qkv(x)
+        if self._fused_peers is not None:
+            return self._forward_fused(x)
         y = self._lora_linear(x, self.weight, self.lora_a, self.lora_b, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -94,27 +112,28 @@ class LoRALinear(nn.Module):
         fn = torch.ops.moe_lora.lora_linear if self.use_ops else lora_linear_reference
         return fn(x.reshape(-1, self.in_features), weight, lora_a, lora_b, token_lora_ids, bias=bias)
 
-    def _forward_qkv(self, x: Tensor) -> Tensor:
-        """q's output; k's and v's (the same input's) stashed on their modules for their own calls."""
-        y = self._lora_linear(x, self.weight_qkv, self.lora_a_qkv, self.lora_b_qkv, self.bias_qkv)
-        q, k, v = (part.reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self._qkv_sizes, dim=-1))
-        k_proj, v_proj = self._qkv_peers
-        k_proj._qkv_stash = (x, k)
-        v_proj._qkv_stash = (x, v)
-        return q
+    def _forward_fused(self, x: Tensor) -> Tensor:
+        """Our output; each peer's (for the same input) stashed on it for its own call."""
+        y = self._lora_linear(x, self.weight_fused, self.lora_a_fused, self.lora_b_fused, self.bias_fused)
+        own, *others = (part.reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self._fused_sizes, dim=-1))
+        for peer, out in zip(self._fused_peers, others):
+            peer._fused_stash = (x, out)
+        return own
 
     def extra_repr(self) -> str:
-        fused = ", fused_qkv=True" if self.fused_qkv else ""
+        fused = (f", fused_group=leader of {len(self._fused_sizes)}" if self.leads_fused_group
+                 else ", fused_group=peer" if self._is_fused_peer else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"slots={self.lora_a.shape[0]}, max_rank={self.lora_a.shape[1]}{fused}")
 
 
-def qkv_fusion_problem(q: nn.Module, k: nn.Module, v: nn.Module) -> Optional[str]:
-    """Why ``q``, ``k``, ``v`` cannot be fused (a sentence), or None when they can."""
-    members = (q, k, v)
+def fusion_problem(members: Sequence[nn.Module]) -> Optional[str]:
+    """Why ``members`` (sibling linears, in call order) cannot be fused (a sentence), or None when they can."""
+    if len(members) < 2:
+        return "fewer than two members"
     if not all(isinstance(m, LoRALinear) for m in members):
-        return "not all three are LoRA-wrapped linears"
-    if any(m.fused_qkv for m in members) or len({id(m) for m in members}) != 3:
+        return "not all members are LoRA-wrapped linears"
+    if any(m.in_fused_group for m in members) or len({id(m) for m in members}) != len(members):
         return "already fused"
     if len({m.in_features for m in members}) != 1:
         return "different in_features"
@@ -122,67 +141,73 @@ def qkv_fusion_problem(q: nn.Module, k: nn.Module, v: nn.Module) -> Optional[str
     if len({(t.dtype, t.device) for t in tensors}) != 1:
         return "different dtypes or devices"
     if len({m.bias is None for m in members}) != 1:
-        return "biases on some projections only"
+        return "biases on some members only"
     if len({tuple(m.lora_a.shape[:2]) for m in members}) != 1 or len({m.use_ops for m in members}) != 1:
         return "different slot counts, ranks or use_ops"
     return None
 
 
 @torch.no_grad()
-def fuse_qkv(q: LoRALinear, k: LoRALinear, v: LoRALinear) -> None:
-    """Fuse one attention's q/k/v projections (see the module docstring); check :func:`qkv_fusion_problem` first.
+def fuse_siblings(members: Sequence[LoRALinear]) -> None:
+    """Fuse sibling linears (in the order the model calls them; see the module docstring); check
+    :func:`fusion_problem` first.
 
-    Allocates the fused buffers on ``q``, copies the three base weights (and biases, and whatever the slots hold)
-    in, then points every projection's ``weight`` / ``bias`` / ``lora_a`` / ``lora_b`` at its block, which frees
-    the original tensors."""
-    problem = qkv_fusion_problem(q, k, v)
+    Allocates the fused buffers on the leader ``members[0]``, copies every base weight (and bias, and whatever the
+    slots hold) in, then points every member's ``weight`` / ``bias`` / ``lora_a`` / ``lora_b`` at its block, which
+    frees the original tensors."""
+    problem = fusion_problem(members)
     if problem is not None:
-        raise ValueError(f"q/k/v: cannot fuse: {problem}")
-    members = (q, k, v)
-    L, R, _ = q.lora_a.shape
+        raise ValueError(f"members: cannot fuse: {problem}")
+    leader = members[0]
+    L, R, _ = leader.lora_a.shape
     sizes = tuple(m.out_features for m in members)
-    lora_b = q.lora_b.new_zeros(L, sum(sizes), 3 * R)
+    lora_b = leader.lora_b.new_zeros(L, sum(sizes), len(members) * R)
     row = 0
     for i, m in enumerate(members):
         lora_b[:, row:row + sizes[i], i * R:(i + 1) * R] = m.lora_b
         row += sizes[i]
-    q.register_buffer("weight_qkv", torch.cat([m.weight.detach() for m in members]), persistent=False)
-    q.register_buffer("bias_qkv", None if q.bias is None else torch.cat([m.bias.detach() for m in members]),
-                      persistent=False)
-    q.register_buffer("lora_a_qkv", torch.cat([m.lora_a for m in members], dim=1), persistent=False)
-    q.register_buffer("lora_b_qkv", lora_b, persistent=False)
-    q._qkv_sizes = sizes
-    q._qkv_peers = (k, v)
-    point_qkv_views(q)
+    bias = None if leader.bias is None else torch.cat([m.bias.detach() for m in members])
+    leader.register_buffer("weight_fused", torch.cat([m.weight.detach() for m in members]), persistent=False)
+    leader.register_buffer("bias_fused", bias, persistent=False)
+    leader.register_buffer("lora_a_fused", torch.cat([m.lora_a for m in members], dim=1), persistent=False)
+    leader.register_buffer("lora_b_fused", lora_b, persistent=False)
+    leader._fused_sizes = sizes
+    leader._fused_peers = tuple(members[1:])
+    for peer in members[1:]:
+        peer._is_fused_peer = True
+    point_fused_views(leader)
 
 
-def qkv_members(q: LoRALinear) -> tuple[LoRALinear, LoRALinear, LoRALinear]:
-    return (q, *q._qkv_peers)
+def fused_members(leader: LoRALinear) -> tuple[LoRALinear, ...]:
+    """The members of ``leader``'s fused group, in call order (the leader first)."""
+    return (leader, *leader._fused_peers)
 
 
-def point_qkv_views(q: LoRALinear) -> None:
-    """(Re)point the three projections' ``weight`` / ``bias`` (``.data``: the Parameter objects stay) and
-    ``lora_a`` / ``lora_b`` buffers at their blocks of ``q``'s fused buffers. After ``nn.Module._apply`` (``.to()``)
+def point_fused_views(leader: LoRALinear) -> None:
+    """(Re)point the members' ``weight`` / ``bias`` (``.data``: the Parameter objects stay) and ``lora_a`` /
+    ``lora_b`` buffers at their blocks of the leader's fused buffers. After ``nn.Module._apply`` (``.to()``)
     converted every tensor separately, this restores the sharing (the fused buffers were converted from the same
     values) and frees the separate copies."""
-    R = q.lora_a_qkv.shape[1] // 3
+    members = fused_members(leader)
+    R = leader.lora_a_fused.shape[1] // len(members)
     row = 0
-    for i, (m, size) in enumerate(zip(qkv_members(q), q._qkv_sizes)):
-        m.weight.data = q.weight_qkv[row:row + size]
-        if q.bias_qkv is not None:
-            m.bias.data = q.bias_qkv[row:row + size]
-        m.lora_a = q.lora_a_qkv[:, i * R:(i + 1) * R]
-        m.lora_b = q.lora_b_qkv[:, row:row + size, i * R:(i + 1) * R]
+    for i, (m, size) in enumerate(zip(members, leader._fused_sizes)):
+        m.weight.data = leader.weight_fused[row:row + size]
+        if leader.bias_fused is not None:
+            m.bias.data = leader.bias_fused[row:row + size]
+        m.lora_a = leader.lora_a_fused[:, i * R:(i + 1) * R]
+        m.lora_b = leader.lora_b_fused[:, row:row + size, i * R:(i + 1) * R]
         row += size
 
 
-def qkv_views_intact(q: LoRALinear) -> bool:
-    """Whether every projection's weight / bias / LoRA buffers still alias ``q``'s fused buffers (a ``.to()`` of the
-    wrapped model itself, instead of the :class:`MultiLoRAModel`, converts them separately and breaks that)."""
+def fused_views_intact(leader: LoRALinear) -> bool:
+    """Whether every member's weight / bias / LoRA buffers still alias the leader's fused buffers (a ``.to()`` of
+    the wrapped model itself, instead of the :class:`MultiLoRAModel`, converts them separately and breaks that)."""
     def same(view: Optional[Tensor], fused: Optional[Tensor]) -> bool:
         if view is None or fused is None:
             return view is None and fused is None
         return view.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
 
-    return all(same(m.weight, q.weight_qkv) and same(m.bias, q.bias_qkv) and same(m.lora_a, q.lora_a_qkv)
-               and same(m.lora_b, q.lora_b_qkv) for m in qkv_members(q))
+    return all(same(m.weight, leader.weight_fused) and same(m.bias, leader.bias_fused)
+               and same(m.lora_a, leader.lora_a_fused) and same(m.lora_b, leader.lora_b_fused)
+               for m in fused_members(leader))

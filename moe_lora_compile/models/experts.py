@@ -14,7 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_transposed
+from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT
+from ..ops.layout import expert_geometry
 from ..ops.reference import fused_moe_lora_reference
 
 EXPERTS_IMPLEMENTATION = "moe_lora"
@@ -22,10 +23,7 @@ EXPERTS_IMPLEMENTATION = "moe_lora"
 
 def experts_geometry(experts: nn.Module, layout: str) -> tuple[int, int, int]:
     """``(E, H, I)`` of an experts module from its ``gate_up_proj`` / ``down_proj`` in ``layout``."""
-    E = experts.gate_up_proj.shape[0]
-    if is_transposed(layout):
-        return E, experts.gate_up_proj.shape[1], experts.down_proj.shape[1]
-    return E, experts.gate_up_proj.shape[2], experts.down_proj.shape[2]
+    return expert_geometry(layout, experts.gate_up_proj.shape, experts.down_proj.shape)
 
 
 def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routing_weight_on_input: bool,

@@ -2,7 +2,7 @@
 which ``nn.Linear`` leaves get dense LoRA (``lora_linear``).
 
 Transformers 5.x stores routed experts as fused 3-D parameters on an ``experts`` module (``gate_up_proj``,
-``down_proj``); the layout column says how (see :mod:`moe_lora_compile.ops.contract`). Dense families have no MoE
+``down_proj``); the layout column says how (see :mod:`moe_lora_compile.ops.layout`). Dense families have no MoE
 block and use the dense path only.
 """
 
@@ -14,6 +14,7 @@ from typing import Optional
 import torch.nn as nn
 
 from ..family_names import FAMILY_MODEL_TYPES
+from ..ops.layout import CONCAT, TRANSPOSED_CONCAT, TRANSPOSED_INTERLEAVED
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLA_TARGETS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")  # DeepSeek attention
@@ -36,7 +37,7 @@ class Family:
     name: str
     model_types: tuple[str, ...]
     block_attr: Optional[str]
-    layout: Optional[str] = None
+    layout: Optional[str] = None  # one of moe_lora_compile.ops.layout.LAYOUTS
     activation: Optional[str] = None
     routing_weight_on_input: bool = False
     decorated: bool = True
@@ -53,17 +54,17 @@ class Family:
 
 # names and model_types come from the one table in moe_lora_compile.family_names
 FAMILIES: tuple[Family, ...] = (
-    Family("qwen3_moe", FAMILY_MODEL_TYPES["qwen3_moe"], "mlp", "concat", "silu", notes="softmax top-k routing"),
-    Family("qwen2_moe", FAMILY_MODEL_TYPES["qwen2_moe"], "mlp", "concat", "silu",
+    Family("qwen3_moe", FAMILY_MODEL_TYPES["qwen3_moe"], "mlp", CONCAT, "silu", notes="softmax top-k routing"),
+    Family("qwen2_moe", FAMILY_MODEL_TYPES["qwen2_moe"], "mlp", CONCAT, "silu",
            notes="shared expert (dense LoRA) with sigmoid shared_expert_gate"),
-    Family("gpt_oss", FAMILY_MODEL_TYPES["gpt_oss"], "mlp", "transposed_interleaved", "gptoss_swiglu",
+    Family("gpt_oss", FAMILY_MODEL_TYPES["gpt_oss"], "mlp", TRANSPOSED_INTERLEAVED, "gptoss_swiglu",
            notes="interleaved gate/up, expert biases, clamped swiglu; attention biases"),
-    Family("mixtral", FAMILY_MODEL_TYPES["mixtral"], "mlp", "concat", "silu", per_expert_names=("w1", "w3", "w2"),
+    Family("mixtral", FAMILY_MODEL_TYPES["mixtral"], "mlp", CONCAT, "silu", per_expert_names=("w1", "w3", "w2"),
            legacy_block_attrs=("block_sparse_moe",), notes="per-expert adapters use w1/w3/w2"),
-    Family("deepseek_v3", FAMILY_MODEL_TYPES["deepseek_v3"], "mlp", "concat", "silu", dense_targets=MLA_TARGETS + MLP_TARGETS,
+    Family("deepseek_v3", FAMILY_MODEL_TYPES["deepseek_v3"], "mlp", CONCAT, "silu", dense_targets=MLA_TARGETS + MLP_TARGETS,
            notes="sigmoid group routing, shared experts and first dense layers (dense LoRA), MLA attention"),
-    Family("olmoe", FAMILY_MODEL_TYPES["olmoe"], "mlp", "concat", "silu", notes="softmax top-k routing"),
-    Family("llama4", FAMILY_MODEL_TYPES["llama4"], "feed_forward", "transposed_concat", "silu", routing_weight_on_input=True,
+    Family("olmoe", FAMILY_MODEL_TYPES["olmoe"], "mlp", CONCAT, "silu", notes="softmax top-k routing"),
+    Family("llama4", FAMILY_MODEL_TYPES["llama4"], "feed_forward", TRANSPOSED_CONCAT, "silu", routing_weight_on_input=True,
            decorated=False, peft_a_on_output=True,
            notes="text model only; experts not decorated (block swapped); routing weight scales the input"),
     Family("dense", FAMILY_MODEL_TYPES["dense"], None, notes="dense causal LMs: lora_linear path only"),

@@ -1,7 +1,8 @@
-"""The custom ops (``torch.ops.moe_lora.*``), their pure-PyTorch references and the shared contract."""
+"""The custom ops (``torch.ops.moe_lora.*``), their pure-PyTorch references the shared contract and the expert layouts."""
 
-from .contract import ACTIVATIONS, LAYOUTS
+from .contract import ACTIVATIONS
 from .fused_moe_lora import fused_moe_lora
+from .layout import LAYOUTS
 from .lora_linear import lora_linear
 from .reference import fused_moe_lora_reference, lora_linear_reference
 

@@ -1,16 +1,9 @@
-"""The op contract in one place: weight layouts, activations, and the argument checks every impl shares.
+"""The op contract in one place: activations, "no adapter", and the argument checks every impl shares.
 
 Notation: T tokens, H hidden, I expert intermediate, E experts, k top-k, L adapter slots, R slot rank.
 
-Base expert weights keep the model's own layout:
-
-=========================  ===============  ============  ====================================
-layout                     w13              w2            gate/up order inside the 2I axis
-=========================  ===============  ============  ====================================
-``concat``                 ``[E, 2I, H]``   ``[E, H, I]`` gate rows ``[0, I)``, up ``[I, 2I)``
-``transposed_concat``      ``[E, H, 2I]``   ``[E, I, H]`` same, along the last axis (Llama-4)
-``transposed_interleaved`` ``[E, H, 2I]``   ``[E, I, H]`` gate ``0::2``, up ``1::2`` (GPT-OSS)
-=========================  ===============  ============  ====================================
+Base expert weights keep the model's own layout (``concat``, ``transposed_concat``, ``transposed_interleaved``:
+shapes and gate/up order in :mod:`.layout`).
 
 LoRA stacks always use vLLM's 3-D layout, the 2I axis in the base weight's own gate/up order and the scaling
 already folded into B: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``, ``lora_b2 [L,E,H,R]``.
@@ -24,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from .layout import CONCAT, check_layout, is_transposed
+
 NO_ADAPTER = -1  # token_lora_ids value of a token without adapter (data, never a Python branch)
-LAYOUTS = ("concat", "transposed_concat", "transposed_interleaved")
 ACTIVATIONS = ("silu", "gptoss_swiglu")
 # GPT-OSS clamped swiglu constants (transformers' GptOssExperts).
 GPTOSS_ALPHA = 1.702
@@ -33,15 +27,6 @@ GPTOSS_LIMIT = 7.0
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def is_transposed(layout: str) -> bool:
-    """True when base weights are stored ``[E, in, out]`` (GPT-OSS, Llama-4)."""
-    return layout.startswith("transposed")
-
-
-def is_interleaved(layout: str) -> bool:
-    return layout == "transposed_interleaved"
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -84,8 +69,7 @@ def check_fused_moe_lora_args(
     w13_bias, w2_bias, layout: str, activation: str,
 ) -> None:
     """Shape/dtype/device checks of ``fused_moe_lora``; raises ValueError/TypeError naming the argument."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_layout(layout)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     _expect_rank("x", x, 2, "[T, H]")
@@ -118,10 +102,10 @@ def check_fused_moe_lora_args(
         _expect_dim("w2", w2, 2, H, f"[E, I, H] for layout {layout!r}")
         I = w2.shape[1]
     else:
-        _expect_dim("w13", w13, 2, H, "[E, 2I, H] for layout 'concat'")
+        _expect_dim("w13", w13, 2, H, f"[E, 2I, H] for layout {CONCAT!r}")
         two_i = w13.shape[1]
-        _expect_dim("w2", w2, 0, E, "[E, H, I] for layout 'concat'")
-        _expect_dim("w2", w2, 1, H, "[E, H, I] for layout 'concat'")
+        _expect_dim("w2", w2, 0, E, f"[E, H, I] for layout {CONCAT!r}")
+        _expect_dim("w2", w2, 1, H, f"[E, H, I] for layout {CONCAT!r}")
         I = w2.shape[2]
     torch._check_value(
         two_i == 2 * I,
@@ -202,7 +186,8 @@ def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> N
 
 
 def check_index_values(name: str, ids: torch.Tensor, low: int, high: int) -> None:
-    """Data check ``low <= ids < high``. CPU: raises ValueError. CUDA: an async device assert (no host sync)."""
+    """Data check ``low <= ids < high``. CPU: raises ValueError. CUDA: a device assert in one Triton launch
+    (:mod:`.triton.checks`; no host sync), which fails the launch like ``torch._assert_async``."""
     if ids.numel() == 0:
         return
     if ids.device.type == "cpu":
@@ -210,4 +195,13 @@ def check_index_values(name: str, ids: torch.Tensor, low: int, high: int) -> Non
         if lo < low or hi >= high:
             raise ValueError(f"{name} values must lie in [{low}, {high}); got min {lo}, max {hi}")
     else:
-        torch._assert_async(((ids >= low) & (ids < high)).all(), f"{name} values must lie in [{low}, {high})")
+        message = f"{name} values must lie in [{low}, {high})"
+        try:
+            from .triton.checks import check_index_range_kernel
+        except ImportError:  # a CUDA torch without Triton: five aten launches instead of one
+            torch._assert_async(((ids >= low) & (ids < high)).all(), message)
+            return
+        ids = ids.contiguous()
+        block = 1024
+        check_index_range_kernel[(-(-ids.numel() // block),)](ids, ids.numel(), low, high, MESSAGE=message,
+                                                               BLOCK=block)

@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 
 from . import cuda_impl
-from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args, check_index_values
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_args, check_index_values
+from .layout import CONCAT
 from .reference import fused_moe_lora_reference
 from .autograd import frozen_input_error, recompute_grads
 
@@ -34,7 +35,7 @@ def _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b1
                               lora_b2, w13_bias, w2_bias, layout, activation)
     if values:
         check_index_values("topk_ids", topk_ids, 0, w13.shape[0])
-        check_index_values("token_lora_ids", token_lora_ids, -1, lora_a13.shape[0])
+        check_index_values("token_lora_ids", token_lora_ids, NO_ADAPTER, lora_a13.shape[0])
 
 
 @torch.library.custom_op("moe_lora::fused_moe_lora", mutates_args=())
@@ -52,7 +53,7 @@ def _fused_moe_lora_op(
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
     *,
-    layout: str = "concat",
+    layout: str = CONCAT,
     activation: str = "silu",
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
@@ -69,7 +70,7 @@ def _fused_moe_lora_op(
 
 @_fused_moe_lora_op.register_kernel("cuda")
 def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                         w13_bias=None, w2_bias=None, *, layout="concat", activation="silu", alpha=GPTOSS_ALPHA,
+                         w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
                          limit=GPTOSS_LIMIT, routing_weight_on_input=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
            w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device())
@@ -82,7 +83,7 @@ def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lor
 
 @_fused_moe_lora_op.register_fake
 def _fused_moe_lora_fake(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                         w13_bias=None, w2_bias=None, *, layout="concat", activation="silu", alpha=GPTOSS_ALPHA,
+                         w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
                          limit=GPTOSS_LIMIT, routing_weight_on_input=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
            w13_bias, w2_bias, layout, activation, values=False)
@@ -105,7 +106,7 @@ def _fused_moe_lora_backward_op(
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
     *,
-    layout: str = "concat",
+    layout: str = CONCAT,
     activation: str = "silu",
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
@@ -156,7 +157,7 @@ def fused_moe_lora(
     *,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
-    layout: str = "concat",
+    layout: str = CONCAT,
     activation: str = "silu",
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
@@ -165,7 +166,7 @@ def fused_moe_lora(
     """One MoE layer, each token's LoRA delta from its own adapter slot: ``torch.ops.moe_lora.fused_moe_lora``.
 
     x [T,H]; topk_ids [T,k] int; topk_weights [T,k]; token_lora_ids [T] int (-1 = base only); w13/w2 in
-    ``layout`` (see :mod:`.contract`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R], lora_a2 [L,E,R,I],
+    ``layout`` (see :mod:`.layout`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R], lora_a2 [L,E,R,I],
     lora_b2 [L,E,H,R] (scaling folded into B). Returns ``y [T, H]`` in ``x.dtype``.
     """
     return torch.ops.moe_lora.fused_moe_lora(

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_impl
-from .contract import check_index_values, check_lora_linear_args
+from .contract import NO_ADAPTER, check_index_values, check_lora_linear_args
 from .reference import lora_linear_reference
 from .autograd import frozen_input_error, recompute_grads
 
@@ -24,7 +24,7 @@ _FROZEN_POSITIONS = (1, 5)
 def _check(x, weight, lora_a, lora_b, token_lora_ids, bias, values: bool) -> None:
     check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias)
     if values:
-        check_index_values("token_lora_ids", token_lora_ids, -1, lora_a.shape[0])
+        check_index_values("token_lora_ids", token_lora_ids, NO_ADAPTER, lora_a.shape[0])
 
 
 @torch.library.custom_op("moe_lora::lora_linear", mutates_args=())

@@ -4,7 +4,7 @@ Static shapes, fp32 accumulation, no ``.item()`` and no data-dependent Python co
 CPU and CUDA and traces under ``torch.compile``. "No adapter" (``token_lora_ids == -1``) is data, never a branch.
 A row's LoRA delta is *selected* (``torch.where``, gathers), never multiplied by a 0/1 mask, so a non-finite value
 in a slot the row does not use cannot reach it (``0 * inf`` is NaN), and ``-1`` rows get exactly the base result.
-Layouts and argument meanings: :mod:`moe_lora_compile.ops.contract`.
+Layouts: :mod:`moe_lora_compile.ops.layout`; argument meanings: :mod:`moe_lora_compile.ops.contract`.
 """
 
 from __future__ import annotations
@@ -14,14 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_interleaved, is_transposed
-
-
-def split_gate_up(h: Tensor, layout: str) -> tuple[Tensor, Tensor]:
-    """``h [..., 2I]`` in the layout's gate/up order -> ``(gate [..., I], up [..., I])``."""
-    if is_interleaved(layout):
-        return h[..., 0::2], h[..., 1::2]
-    return h.chunk(2, dim=-1)
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT
+from .layout import CONCAT, is_transposed, split_gate_up
 
 
 def glu_activation(gate: Tensor, up: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
@@ -69,7 +63,7 @@ def fused_moe_lora_reference(
     *,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
-    layout: str = "concat",
+    layout: str = CONCAT,
     activation: str = "silu",
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,

@@ -25,7 +25,7 @@ _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every source file whose content changes what the pass does (the matchers follow the reference's op sequence).
 SOURCE_FILES = tuple(os.path.join(_PACKAGE, p) for p in (
     "passes/graph_pass.py", "passes/fx_match.py", "passes/moe_patterns.py", "passes/linear_patterns.py",
-    "ops/reference.py", "ops/contract.py",
+    "ops/reference.py", "ops/contract.py", "ops/layout.py",
 ))
 
 

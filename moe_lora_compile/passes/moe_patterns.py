@@ -27,7 +27,8 @@ import torch
 from torch.fx import Node
 
 from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER
-from ..ops.reference import glu_activation, split_gate_up
+from ..ops.layout import CONCAT, TRANSPOSED_INTERLEAVED, expert_geometry, layout_of, split_gate_up
+from ..ops.reference import glu_activation
 from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, is_zero, name, require,
                        same, same_shape, shape, skip, val, where_or_zero)
 
@@ -325,7 +326,7 @@ def identify_activation(hs: list[Node], region: list[Node], act: Node, two_i: in
     candidates = [("silu", GPTOSS_ALPHA, GPTOSS_LIMIT)]
     candidates += [("gptoss_swiglu", a, lim) for a, lim in itertools.product(alphas, limits)]
     for interleaved in (False, True):
-        gate, up = split_gate_up(probe.float(), "transposed_interleaved" if interleaved else "concat")
+        gate, up = split_gate_up(probe.float(), TRANSPOSED_INTERLEAVED if interleaved else CONCAT)
         for activation, alpha, lim in candidates:
             want = glu_activation(gate, up, activation, alpha, lim)
             if torch.allclose(got, want, atol=tol, rtol=tol):
@@ -431,10 +432,8 @@ def _has_shape(node: Node, sizes) -> bool:
 
 
 def _layout(transposed: bool, interleaved: bool) -> str:
-    if interleaved:
-        require(transposed, "interleaved gate/up with [E, 2I, H] weights is not in the op contract")
-        return "transposed_interleaved"
-    return "transposed_concat" if transposed else "concat"
+    require(transposed or not interleaved, "interleaved gate/up with [E, 2I, H] weights is not in the op contract")
+    return layout_of(transposed=transposed, interleaved=interleaved)
 
 
 def match_grouped(anchor: Node) -> MoEMatch:
@@ -517,12 +516,9 @@ def _no_adapter_stacks(graph, m: MoEMatch):
     """Rank-1, one-slot zero LoRA stacks and all ``-1`` token ids: the op computes just the base MoE (the kernels
     skip every LoRA term of a ``-1`` token; the contract asks for R >= 1)."""
     w13, w2 = val(m.w13), val(m.w2)
-    E = w13.shape[0]
-    H = w13.shape[1] if m.layout != "concat" else w13.shape[2]
-    I2 = w13.shape[2] if m.layout != "concat" else w13.shape[1]
-    I = w2.shape[1] if m.layout != "concat" else w2.shape[2]
+    E, H, I = expert_geometry(m.layout, w13.shape, w2.shape)
     opts = dict(dtype=w13.dtype, device=w13.device)
-    shapes = ([1, E, 1, H], [1, E, I2, 1], [1, E, 1, I], [1, E, H, 1])
+    shapes = ([1, E, 1, H], [1, E, 2 * I, 1], [1, E, 1, I], [1, E, H, 1])
     for s in shapes:
         require(all(isinstance(d, int) for d in s), "symbolic expert weight shapes")
     stacks = tuple(insert_call(graph, aten.full.default, (s, 0.0), opts) for s in shapes)

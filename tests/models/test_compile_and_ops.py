@@ -1,5 +1,6 @@
 """The attached model traces as one graph (fullgraph) and changing the adapter mix never recompiles (ids are
-buffer data); ``use_ops=True`` routes through ``torch.ops.moe_lora.*`` with the same result."""
+buffer data); both paths, ``use_ops=True`` (the default: ``torch.ops.moe_lora.*``) and ``use_ops=False`` (the
+plain-PyTorch reference), give PEFT's result."""
 
 import copy
 
@@ -42,15 +43,16 @@ def test_fullgraph_and_no_recompile_when_adapters_change(tmp_path, family):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("use_ops", [True, False], ids=["ops", "reference"])
 @pytest.mark.parametrize("family", [
     "gpt_oss",  # expert biases and the interleaved layout through the op schema
     "qwen3",    # dense only: lora_linear op
 ])
-def test_use_ops_matches_reference_path(tmp_path, family):
-    _, peft_model, mm_ops = _setup(family, tmp_path, use_ops=True)
+def test_ops_and_reference_paths_match_peft(tmp_path, family, use_ops):
+    _, peft_model, mm = _setup(family, tmp_path, use_ops=use_ops)
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = mm_ops(ids, adapters=["a", None]).logits
+        logits = mm(ids, adapters=["a", None]).logits
         torch.testing.assert_close(logits[0], peft_model(ids[:1]).logits[0], rtol=1e-4, atol=1e-4)
         with peft_model.disable_adapter():
             torch.testing.assert_close(logits[1], peft_model(ids[1:]).logits[0], rtol=1e-4, atol=1e-4)
@@ -87,7 +89,7 @@ def test_attach_freezes_base_weights_so_a_plain_forward_works():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
     assert all(p.requires_grad for p in model.parameters())
-    mm = attach(model, max_loras=2, max_rank=4, use_ops=True)
+    mm = attach(model, max_loras=2, max_rank=4)  # use_ops=True, the default
     assert not any(p.requires_grad for p in mm.parameters())
     logits = mm(torch.randint(3, 128, (2, 5)), adapters=[None, None]).logits
     assert logits.shape == (2, 5, 128) and torch.isfinite(logits).all()

@@ -14,7 +14,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from moe_lora_compile.models import attach
-from moe_lora_compile.models.dense import LoRALinear, qkv_members, qkv_views_intact
+from moe_lora_compile.models.dense import LoRALinear, fused_members, fused_views_intact
 from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
 
 FAMILIES = [
@@ -40,7 +40,8 @@ def _adapter(family, base, path, seed, r):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tmp_path_factory):
-    """(unfused, fused) attached copies of one tiny model with adapters a (r=4) and b (r=8) loaded; c saved."""
+    """(unfused, fused) attached copies of one tiny model with adapters a (r=4) and b (r=8) loaded; c saved. On the
+    reference path (``use_ops=False``): the tests count its calls and compile it; the ops path has its own test."""
     family = request.param
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
@@ -49,7 +50,7 @@ def pair(request, tmp_path_factory):
         _adapter(family, base, root / name, seed, r)
     models = []
     for fuse in (False, True):
-        mm = attach(copy.deepcopy(base), max_loras=3, max_rank=MAX_RANK, fuse_qkv=fuse)
+        mm = attach(copy.deepcopy(base), max_loras=3, max_rank=MAX_RANK, fuse_qkv=fuse, use_ops=False)
         mm.load_adapter("a", root / "a")
         mm.load_adapter("b", root / "b")
         models.append(mm)
@@ -63,22 +64,22 @@ def _logits(mm, ids, adapters=BATCH):
 
 
 def _stashes(mm):
-    return [m._qkv_stash for m in mm.model.modules() if isinstance(m, LoRALinear) and m._qkv_stash is not None]
+    return [m._fused_stash for m in mm.model.modules() if isinstance(m, LoRALinear) and m._fused_stash is not None]
 
 
 def test_every_attention_fused_with_views(pair):
     plain, fused = pair["plain"], pair["fused"]
     layers = plain.model.config.num_hidden_layers
-    assert len(fused._qkv_leaders) == layers and plain._qkv_leaders == []
-    for q in fused._qkv_leaders:
-        assert qkv_views_intact(q)
-        k, v = q._qkv_peers
+    assert len(fused._fused_leaders) == layers and plain._fused_leaders == []
+    for q in fused._fused_leaders:
+        assert fused_views_intact(q)
+        k, v = q._fused_peers
         n = q.out_features + k.out_features + v.out_features
-        assert q.weight_qkv.shape == (n, q.in_features) and q.lora_a_qkv.shape == (3, 3 * MAX_RANK, q.in_features)
-        assert q.lora_b_qkv.shape == (3, n, 3 * MAX_RANK)
-        assert (q.bias_qkv is None) == (q.bias is None)
-        assert q.weight.data_ptr() == q.weight_qkv.data_ptr()
-        assert k.weight.data_ptr() == q.weight_qkv[q.out_features].data_ptr()
+        assert q.weight_fused.shape == (n, q.in_features) and q.lora_a_fused.shape == (3, 3 * MAX_RANK, q.in_features)
+        assert q.lora_b_fused.shape == (3, n, 3 * MAX_RANK)
+        assert (q.bias_fused is None) == (q.bias is None)
+        assert q.weight.data_ptr() == q.weight_fused.data_ptr()
+        assert k.weight.data_ptr() == q.weight_fused[q.out_features].data_ptr()
     # no parameter added, none duplicated
     assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in plain.parameters())
 
@@ -89,32 +90,32 @@ def test_state_dict_unchanged(pair):
     for key in plain:
         assert torch.equal(plain[key], fused[key]), key
     # and a load_state_dict writes into the fused weight (in place, through the views)
-    q = pair["fused"]._qkv_leaders[0]
-    k = q._qkv_peers[0]
-    before = q.weight_qkv.clone()
+    q = pair["fused"]._fused_leaders[0]
+    k = q._fused_peers[0]
+    before = q.weight_fused.clone()
     key = next(n for n, p in pair["fused"].named_parameters() if p is k.weight)
     try:
         pair["fused"].load_state_dict({key: torch.ones_like(k.weight)}, strict=False)
         rows = slice(q.out_features, q.out_features + k.out_features)
-        assert (q.weight_qkv[rows] == 1).all() and torch.equal(q.weight_qkv[: q.out_features], before[: q.out_features])
+        assert (q.weight_fused[rows] == 1).all() and torch.equal(q.weight_fused[: q.out_features], before[: q.out_features])
     finally:
         pair["fused"].load_state_dict({key: before[rows]}, strict=False)
-    assert torch.equal(q.weight_qkv, before)
+    assert torch.equal(q.weight_fused, before)
 
 
 def test_mixed_batch_logits_and_generate_equal(pair):
     plain, fused, ids = pair["plain"], pair["fused"], pair["ids"]
     calls = []
-    for q in fused._qkv_leaders:  # count the fused calls: one per attention per forward
-        original = q._forward_qkv
-        q._forward_qkv = lambda x, _f=original: calls.append(1) or _f(x)
+    for q in fused._fused_leaders:  # count the fused calls: one per attention per forward
+        original = q._forward_fused
+        q._forward_fused = lambda x, _f=original: calls.append(1) or _f(x)
     try:
         expected = _logits(plain, ids)
         torch.testing.assert_close(_logits(fused, ids), expected, rtol=0, atol=1e-5)
     finally:
-        for q in fused._qkv_leaders:
-            del q._forward_qkv
-    assert len(calls) == len(fused._qkv_leaders) and _stashes(fused) == []
+        for q in fused._fused_leaders:
+            del q._forward_fused
+    assert len(calls) == len(fused._fused_leaders) and _stashes(fused) == []
     # k and v took q's stash: per forward, 2 fewer dense calls per attention than unfused
     import moe_lora_compile.models.dense as dense
 
@@ -126,7 +127,7 @@ def test_mixed_batch_logits_and_generate_equal(pair):
             patch.setattr(dense, "lora_linear_reference", lambda *a, **k: n.append(1) or reference(*a, **k))
             _logits(mm, ids)
         counts.append(len(n))
-    assert counts[0] - counts[1] == 2 * len(fused._qkv_leaders)
+    assert counts[0] - counts[1] == 2 * len(fused._fused_leaders)
     base = _logits(plain, ids, [None] * len(BATCH))
     assert [not torch.allclose(expected[i], base[i], atol=1e-3) for i in range(len(BATCH))] == [True, False, True]
     out = fused.generate(ids, adapters=BATCH, max_new_tokens=4, do_sample=False)
@@ -135,16 +136,16 @@ def test_mixed_batch_logits_and_generate_equal(pair):
 
 
 def _fused_snapshot(mm):
-    return [(q.lora_a_qkv.clone(), q.lora_b_qkv.clone()) for q in mm._qkv_leaders]
+    return [(q.lora_a_fused.clone(), q.lora_b_fused.clone()) for q in mm._fused_leaders]
 
 
 def _assert_block_diagonal(q):
-    R = q.lora_a_qkv.shape[1] // 3
+    R = q.lora_a_fused.shape[1] // 3
     row = 0
-    for i, size in enumerate(q._qkv_sizes):
+    for i, size in enumerate(q._fused_sizes):
         off = torch.ones(3 * R, dtype=torch.bool)
         off[i * R:(i + 1) * R] = False
-        assert (q.lora_b_qkv[:, row:row + size, off] == 0).all()
+        assert (q.lora_b_fused[:, row:row + size, off] == 0).all()
         row += size
 
 
@@ -157,7 +158,7 @@ def test_hot_swap_and_unload_touch_only_their_slot(pair):
             mm.load_adapter("a", root / "c", replace=True)
         torch.testing.assert_close(_logits(fused, ids), _logits(plain, ids), rtol=0, atol=1e-5)
         after = _fused_snapshot(fused)
-        for q, (a0, b0), (a1, b1) in zip(fused._qkv_leaders, before, after):
+        for q, (a0, b0), (a1, b1) in zip(fused._fused_leaders, before, after):
             _assert_block_diagonal(q)
             assert torch.equal(a1[slot_b], a0[slot_b]) and torch.equal(b1[slot_b], b0[slot_b])
             assert not torch.equal(a1[slot_a], a0[slot_a]) and not torch.equal(b1[slot_a], b0[slot_a])
@@ -167,9 +168,9 @@ def test_hot_swap_and_unload_touch_only_their_slot(pair):
                 assert (a1[slot_a, i * R + 2:(i + 1) * R] == 0).all() and (a1[slot_a, i * R:i * R + 2] != 0).any()
         for mm in (plain, fused):
             mm.unload_adapter("a")
-        for q, (a0, b0) in zip(fused._qkv_leaders, before):
-            assert (q.lora_a_qkv[slot_a] == 0).all() and (q.lora_b_qkv[slot_a] == 0).all()
-            assert torch.equal(q.lora_a_qkv[slot_b], a0[slot_b]) and torch.equal(q.lora_b_qkv[slot_b], b0[slot_b])
+        for q, (a0, b0) in zip(fused._fused_leaders, before):
+            assert (q.lora_a_fused[slot_a] == 0).all() and (q.lora_b_fused[slot_a] == 0).all()
+            assert torch.equal(q.lora_a_fused[slot_b], a0[slot_b]) and torch.equal(q.lora_b_fused[slot_b], b0[slot_b])
         torch.testing.assert_close(_logits(fused, ids, [None, "b", None]), _logits(plain, ids, [None, "b", None]),
                                    rtol=0, atol=1e-5)
     finally:
@@ -177,15 +178,15 @@ def test_hot_swap_and_unload_touch_only_their_slot(pair):
             if "a" in mm.adapters:
                 mm.unload_adapter("a")
             assert mm.load_adapter("a", root / "a") == slot_a
-    for q, (a0, b0) in zip(fused._qkv_leaders, before):
-        assert torch.equal(q.lora_a_qkv, a0) and torch.equal(q.lora_b_qkv, b0)
+    for q, (a0, b0) in zip(fused._fused_leaders, before):
+        assert torch.equal(q.lora_a_fused, a0) and torch.equal(q.lora_b_fused, b0)
 
 
 def test_k_and_v_alone_or_with_another_input(pair):
     """Called without q (or after q ran on another tensor) k and v compute their own product; a stale stash is
     dropped, never returned for the wrong input."""
     plain, fused = pair["plain"], pair["fused"]
-    name = next(n for n, m in fused.model.named_modules() if m is fused._qkv_leaders[0]).rpartition(".")[0]
+    name = next(n for n, m in fused.model.named_modules() if m is fused._fused_leaders[0]).rpartition(".")[0]
     attn_f, attn_p = fused.model.get_submodule(name), plain.model.get_submodule(name)
     h, other = torch.randn(2, 3, attn_f.q_proj.in_features), torch.randn(2, 3, attn_f.q_proj.in_features)
     fused.set_token_lora_ids(["a", "b"], 3)
@@ -235,7 +236,7 @@ def test_compile_fullgraph_ops_path_one_lora_linear_per_attention_qkv(pair):
     mm.load_adapter("b", pair["root"] / "b")
     graph = _compile_and_check(mm, pair)
     calls = sum("lora_linear" in str(node.target) for node in graph.graph.nodes)
-    assert calls == len(mm.slots.linear_modules) - 2 * len(mm._qkv_leaders)
+    assert calls == len(mm.slots.linear_modules) - 2 * len(mm._fused_leaders)
 
 
 def test_compile_fullgraph_reference_path(pair):
@@ -269,15 +270,15 @@ def test_move_keeps_fusion_and_moving_the_inner_model_refuses(pair):
     mm = attach(copy.deepcopy(pair["base"]), max_loras=3, max_rank=MAX_RANK, fuse_qkv=True, max_tokens=4)
     mm.load_adapter("a", pair["root"] / "a")
     mm.to(torch.float64)
-    assert all(qkv_views_intact(q) and q.weight_qkv.dtype == torch.float64 for q in mm._qkv_leaders)
+    assert all(fused_views_intact(q) and q.weight_fused.dtype == torch.float64 for q in mm._fused_leaders)
     assert all(m.token_lora_ids is mm.token_lora_ids for m in mm.slots.linear_modules.values())
     mm.load_adapter("b", pair["root"] / "b")  # written after the move: must reach the fused buffers
     expected = _logits(pair["plain"], pair["ids"])
     torch.testing.assert_close(_logits(mm, pair["ids"]).float(), expected, rtol=0, atol=1e-5)
     # 18 tokens > max_tokens: the id buffers grew and were re-shared, the fused q modules read the new ones
-    assert mm.token_lora_ids.numel() >= 18 and all(q.token_lora_ids is mm.token_lora_ids for q in mm._qkv_leaders)
+    assert mm.token_lora_ids.numel() >= 18 and all(q.token_lora_ids is mm.token_lora_ids for q in mm._fused_leaders)
     mm.model.to(torch.float32)  # the inner model alone: views broken
-    assert not all(qkv_views_intact(q) for q in mm._qkv_leaders)
+    assert not all(fused_views_intact(q) for q in mm._fused_leaders)
     with pytest.raises(RuntimeError, match="fuse_qkv"):
         mm.load_adapter("c", pair["root"] / "c")
     with pytest.raises(RuntimeError, match="mm.to"):
@@ -292,7 +293,7 @@ def test_move_keeps_fusion_and_moving_the_inner_model_refuses(pair):
 def test_what_is_left_unfused(family, target_modules, fused):
     base = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
     mm = attach(base, max_loras=1, max_rank=4, fuse_qkv=True, target_modules=target_modules)
-    assert len(mm._qkv_leaders) == fused
+    assert len(mm._fused_leaders) == fused
     with pytest.raises(TypeError, match="fuse_qkv"):
         attach(AutoModelForCausalLM.from_config(tiny_config(family)), fuse_qkv=1)
 
@@ -300,7 +301,7 @@ def test_what_is_left_unfused(family, target_modules, fused):
 def test_triton_kernel_on_one_fused_projection():
     """On CUDA the fused call is one lora_linear with n_out = q+k+v and rank 3R: the Triton kernels (interpreter,
     float32, tiny tiles) on a fused q/k/v equal the reference of the three projections called apart."""
-    from moe_lora_compile.models.dense import fuse_qkv
+    from moe_lora_compile.models.dense import fuse_siblings
     from moe_lora_compile.ops.reference import lora_linear_reference
     from moe_lora_compile.ops.triton.launch import lora_linear_triton
 
@@ -319,14 +320,14 @@ def test_triton_kernel_on_one_fused_projection():
         apart = torch.cat([lora_linear_reference(x, m.weight, m.lora_a, m.lora_b, ids, bias=m.bias)
                            for m in members], dim=1)
     q = members[0]
-    fuse_qkv(*members)
-    assert [m for m in qkv_members(q)] == members
+    fuse_siblings(members)
+    assert [m for m in fused_members(q)] == members
     gemm = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 1}
     shrink = {"BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
     for per_token in (True, False):
         cfg = {"BLOCK_M": 16, "gemm": dict(gemm), "shrink": dict(shrink, per_token=per_token)}
         with torch.no_grad():
-            y = lora_linear_triton(x, q.weight_qkv, q.lora_a_qkv, q.lora_b_qkv, ids, bias=q.bias_qkv, config=cfg)
+            y = lora_linear_triton(x, q.weight_fused, q.lora_a_fused, q.lora_b_fused, ids, bias=q.bias_fused, config=cfg)
         torch.testing.assert_close(y, apart, rtol=1e-4, atol=1e-4)
 
 

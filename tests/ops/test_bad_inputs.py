@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from loop_reference import MoECase
-from test_lora_linear import make_linear
+from support.cases import MoECase, make_linear
 
 import moe_lora_compile as mlc
 
@@ -217,3 +216,35 @@ def test_zero_size_error_under_compile():
     fn = torch.compile(mlc.lora_linear, fullgraph=True)
     with pytest.raises(Exception, match=r"lora_a must have shape \[L, R, in\] with R >= 1"):
         fn(*args)
+
+
+_DEVICE_CHECK = """
+import torch, moe_lora_compile as mlc
+x, w = torch.randn(5, 32, device="cuda"), torch.randn(16, 32, device="cuda")
+a, b = torch.randn(3, 4, 32, device="cuda"), torch.randn(3, 16, 4, device="cuda")
+ids = torch.tensor(IDS, dtype=torch.int32, device="cuda")
+y = mlc.lora_linear(x, w, a, b, ids)
+torch.cuda.synchronize()
+print("finished", float(y.abs().sum()))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids,fails", [
+    ([0, 1, 2, -1, 0], False),  # every id in [-1, L): runs
+    ([0, 1, 3, -1, 0], True),   # slot L = 3: past the last slot
+    ([0, -2, 1, 1, 0], True),   # -2: below "no adapter"
+])
+def test_cuda_id_check_fails_the_launch(ids, fails):
+    """On CUDA the id check is a device assert (one Triton launch, no host sync): a bad id fails the launch with the
+    check's message, as the CPU check raises. Run in a child: a device assert leaves the CUDA context unusable."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", _DEVICE_CHECK.replace("IDS", repr(ids))], capture_output=True,
+                           text=True, timeout=300)
+    if fails:
+        assert child.returncode != 0 and "finished" not in child.stdout
+        assert "token_lora_ids values must lie in [-1, 3)" in child.stdout + child.stderr
+    else:
+        assert child.returncode == 0 and "finished" in child.stdout, child.stderr[-2000:]

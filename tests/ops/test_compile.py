@@ -4,8 +4,7 @@ the token count change (after the first dynamic compile)."""
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from loop_reference import MoECase
-from test_lora_linear import make_linear
+from support.cases import MoECase, make_linear
 
 import moe_lora_compile as mlc
 

@@ -9,7 +9,7 @@ import torch
 
 from moe_lora_compile.shapes import GPT_OSS_20B, QWEN3_30B_A3B
 
-from test_triton_kernels import _real_case, make_inputs
+from support.cases import MoECase
 
 pytestmark = pytest.mark.gpu
 
@@ -35,8 +35,10 @@ def _refill(static_args, fresh_args):
 
 
 @pytest.fixture(params=["0", "1"], ids=["pdl-off", "pdl-on"])
-def pdl_env(request, monkeypatch):
-    monkeypatch.setenv("MOE_LORA_PDL", request.param)
+def pdl_env(request, set_switch):
+    from moe_lora_compile import settings
+
+    set_switch(settings.PDL, request.param)
     return request.param == "1"
 
 
@@ -47,8 +49,8 @@ def pdl_env(request, monkeypatch):
     (QWEN3_30B_A3B, 96),  # sorted path, larger blocks
 ])
 def test_fused_moe_lora_graph_replay_equals_eager(geometry, T, pdl_env):
-    case = _real_case(geometry, T, L=4, R=16, lora="mixed")
-    args, kwargs = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    case = MoECase.of_geometry(geometry, T, L=4, R=16, lora="alternate")
+    args, kwargs = case.make("cuda", dtype=torch.bfloat16)
     static = [a.clone() for a in args]
     graph, y_static = _capture(lambda: torch.ops.moe_lora.fused_moe_lora(*static, **kwargs))
     graph.replay()
@@ -56,7 +58,7 @@ def test_fused_moe_lora_graph_replay_equals_eager(geometry, T, pdl_env):
     torch.testing.assert_close(y_static, eager)
 
     # new tokens, new routing, new adapter ids (other tokens at -1): same graph, new result
-    fresh, _ = make_inputs(case, dtype=torch.bfloat16, device="cuda", scale=0.5)
+    fresh, _ = case.make("cuda", dtype=torch.bfloat16, scale=0.5)
     fresh = list(fresh)
     fresh[1] = torch.roll(args[1], 1, dims=0)
     fresh[3] = torch.where(args[3] >= 0, -1, (torch.arange(T, device="cuda") % 4).to(torch.int32))
@@ -71,8 +73,8 @@ def test_fused_moe_lora_graph_replay_equals_eager(geometry, T, pdl_env):
 def test_graph_of_chained_layers_with_pdl(T, pdl_env):
     """Three layers back to back in one graph, each reading the previous one's output (the first kernel of a
     layer's chain depends on the last kernel of the previous one): replays equal eager, and stay stable."""
-    case = _real_case(QWEN3_30B_A3B, T, L=4, R=16, lora="mixed")
-    args, kwargs = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    case = MoECase.of_geometry(QWEN3_30B_A3B, T, L=4, R=16, lora="alternate")
+    args, kwargs = case.make("cuda", dtype=torch.bfloat16)
     static = [a.clone() for a in args]
 
     def layers():

@@ -1,11 +1,12 @@
-"""Hypothesis fuzz of both ops (CPU, float64) against the float64 loop reference: random shapes, layouts,
+"""Hypothesis fuzz of both ops (CPU, float64) against the float64 oracle (``tests/support``): random shapes, layouts,
 activations, biases, ``-1`` mixes, duplicate experts within a token, and optionally one slot poisoned with Inf/NaN
-(issue 11): rows that do not use the poisoned slot must still match the loop on clean weights. ~20 s on 2 cores."""
+(issue 11): rows that do not use the poisoned slot must still match the oracle on clean weights. ~20 s on 2 cores."""
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loop_reference import TOLERANCES, linear_lora_loop, moe_lora_loop
+from support.cases import TOLERANCES
+from support.oracle import TRANSPOSED, lora_linear_oracle, moe_lora_oracle
 
 import moe_lora_compile as mlc
 
@@ -37,14 +38,14 @@ def test_fused_moe_lora_fuzz(data, T, H, I, E, k, L, R, layout, activation, w13_
     # experts drawn with replacement: a token may route twice to one expert (duplicates are summed like any pair)
     topk_ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int64)
     topk_weights = torch.rand(T, k, generator=g, dtype=d).softmax(-1)
-    transposed = layout.startswith("transposed")
+    transposed = TRANSPOSED[layout]
     w13 = rnd(E, H, 2 * I) if transposed else rnd(E, 2 * I, H)
     w2 = rnd(E, I, H) if transposed else rnd(E, H, I)
     stacks = [rnd(L, E, R, H), rnd(L, E, 2 * I, R), rnd(L, E, R, I), rnd(L, E, H, R)]
     kwargs = dict(layout=layout, activation=activation, routing_weight_on_input=on_input,
                   w13_bias=rnd(E, 2 * I) if w13_bias else None, w2_bias=rnd(E, H) if w2_bias else None)
     x = rnd(T, H) / 0.4
-    want = moe_lora_loop(x, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, **kwargs)
+    want = moe_lora_oracle(x, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, **kwargs)
     slot = None
     if poison is not None:
         slot = data.draw(st.integers(0, L - 1), label="poisoned slot")
@@ -73,7 +74,7 @@ def test_lora_linear_fuzz(data, T, n_in, n_out, L, R, bias, poison, seed):
     ids = data.draw(st.lists(st.integers(-1, L - 1), min_size=T, max_size=T), label="token_lora_ids")
     token_lora_ids = torch.tensor(ids, dtype=torch.int32).reshape(T)
     bias_t = b_vec if bias else None
-    want = linear_lora_loop(x, weight, a, b, token_lora_ids, bias=bias_t)
+    want = lora_linear_oracle(x, weight, a, b, token_lora_ids, bias=bias_t)
     slot = None
     if poison is not None:
         slot = data.draw(st.integers(0, L - 1), label="poisoned slot")

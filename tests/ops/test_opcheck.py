@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from loop_reference import MoECase
-from test_lora_linear import make_linear
+from support.cases import MoECase, make_linear
 
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 

@@ -1,37 +1,39 @@
-"""The Triton kernels of ``fused_moe_lora`` and ``lora_linear`` against a float64 per-token loop written here.
+"""The Triton kernels of ``fused_moe_lora`` and ``lora_linear`` against the float64 oracle (``tests/support``).
 
 CPU: the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` from conftest) in float32 at tiny shapes with
-16-wide blocks (the interpreter's bf16 is wrong, see FACTS.md). GPU (``-m gpu``): bf16 at the real shapes of
+16-wide blocks (the interpreter's bf16 is wrong: triton-lang/triton#11584). GPU (``-m gpu``): bf16 at the real shapes of
 :mod:`moe_lora_compile.shapes`, the op through ``torch.ops``, opcheck, and no Triton recompile for a new T.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Optional
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
+from support.cases import MoECase
+from support.oracle import lora_linear_oracle, moe_lora_oracle
+
+from moe_lora_compile.ops.triton.configs import GemmConfig, MoEKernelConfig, ShrinkConfig
 from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton
 from moe_lora_compile.ops.triton.routing import max_blocks, sort_pairs
 from moe_lora_compile.shapes import GPT_OSS_20B, QWEN3_30B_A3B
 
-ALPHA, LIMIT = 1.702, 7.0
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Tiny tiles for the interpreter (about 5 ms per tl.dot step there).
-_GEMM = {"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_SIZE_M": 2, "num_warps": 4, "num_stages": 1}
-_SHRINK = {"BLOCK_K": 16, "SPLIT_K": 2, "num_warps": 4, "num_stages": 1}
+_GEMM = GemmConfig(BLOCK_N=16, BLOCK_K=16, GROUP_SIZE_M=2, num_warps=4, num_stages=1)
+_SHRINK = ShrinkConfig(BLOCK_K=16, SPLIT_K=2, num_warps=4, num_stages=1)
 
 
 def tiny_config(per_pair: bool, fuse_shrink2: bool = False, fuse_topk_sum: bool = True, split13: int = 1,
-                split2: int = 1) -> dict:
+                split2: int = 1) -> MoEKernelConfig:
     """``fuse_topk_sum`` (per-pair mode, k > 1): the w2 kernel also sums the top-k, per 16-wide H tile (H=32/40:
     2/3 tiles, the last one masked at H=40). ``split13`` / ``split2``: split-K of the w13 / w2 GEMM (w2: per-pair
     top-k-sum path only), clamped to the number of 16-wide K steps."""
-    return {"per_pair": per_pair, "fuse_shrink2": fuse_shrink2, "fuse_topk_sum": fuse_topk_sum, "BLOCK_M": 16,
-            "w13": dict(_GEMM, SPLIT_K=split13), "w2": dict(_GEMM, SPLIT_K=split2), "shrink": dict(_SHRINK)}
+    return MoEKernelConfig(per_pair=per_pair, fuse_shrink2=fuse_shrink2, fuse_topk_sum=fuse_topk_sum, BLOCK_M=16,
+                           w13=replace(_GEMM, SPLIT_K=split13), w2=replace(_GEMM, SPLIT_K=split2), shrink=_SHRINK)
 
 
 PATHS = [
@@ -47,183 +49,48 @@ PATHS = [
 ]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# float64 per-token reference (independent of moe_lora_compile.ops.reference)
-# ----------------------------------------------------------------------------------------------------------------
-
-def loop_reference(x, topk_ids, topk_weights, lora_ids, w13, w2, a13, b13, a2, b2, *, w13_bias=None, w2_bias=None,
-                   layout="concat", activation="silu", alpha=ALPHA, limit=LIMIT, on_input=False):
-    """y [T, H] float64, one token and one routed expert at a time."""
-    d = torch.float64
-    x, w13, w2, a13, b13, a2, b2 = (t.to(d) for t in (x, w13, w2, a13, b13, a2, b2))
-    T, H = x.shape
-    transposed = layout != "concat"
-    I = w2.shape[1] if transposed else w2.shape[2]
-    y = torch.zeros(T, H, dtype=d)
-    for t in range(T):
-        slot = int(lora_ids[t])
-        for j in range(topk_ids.shape[1]):
-            e, wt = int(topk_ids[t, j]), float(topk_weights[t, j])
-            xin = x[t] * wt if on_input else x[t]
-            h = (w13[e].T if transposed else w13[e]) @ xin  # [2I]
-            if slot >= 0:
-                h = h + b13[slot, e] @ (a13[slot, e] @ xin)
-            if w13_bias is not None:
-                h = h + w13_bias[e].to(d)
-            gate, up = (h[0::2], h[1::2]) if layout == "transposed_interleaved" else (h[:I], h[I:])
-            if activation == "silu":
-                act = gate / (1 + torch.exp(-gate)) * up
-            else:
-                gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-                act = (up + 1) * gate / (1 + torch.exp(-alpha * gate))
-            o = (w2[e].T if transposed else w2[e]) @ act  # [H]
-            if slot >= 0:
-                o = o + b2[slot, e] @ (a2[slot, e] @ act)
-            if w2_bias is not None:
-                o = o + w2_bias[e].to(d)
-            y[t] += o if on_input else o * wt
-    return y
+# Kernel test cases: tiles of 16, so H=32 / I=16 make two / one column tiles; R=16 one rank tile.
+KERNEL_CASE = dict(H=32, I=16, L=2, R=16, lora="all", topk_dtype=torch.int32)
 
 
-def expert_loop_reference(x, topk_ids, topk_weights, lora_ids, w13, w2, a13, b13, a2, b2, *, w13_bias=None,
-                          w2_bias=None, layout="concat", activation="silu", alpha=ALPHA, limit=LIMIT,
-                          routing_weight_on_input=False):
-    """float32 reference for real shapes on the GPU: one expert (and adapter slot) at a time -> y [T, H] fp32."""
-    f = torch.float32
-    T, H = x.shape
-    k = topk_ids.shape[1]
-    transposed = layout != "concat"
-    I = w2.shape[1] if transposed else w2.shape[2]
-    experts = topk_ids.reshape(-1).long()
-    tokens = torch.arange(T, device=x.device).repeat_interleave(k)
-    slots = lora_ids.long().repeat_interleave(k)
-    weights = topk_weights.reshape(-1).to(f)
-    out = torch.zeros(T * k, H, dtype=f, device=x.device)
-    for e in torch.unique(experts).tolist():
-        sel = (experts == e).nonzero().squeeze(1)
-        xin = x[tokens[sel]].to(f)
-        if routing_weight_on_input:
-            xin = xin * weights[sel, None]
-        w13e = w13[e].to(f) if transposed else w13[e].to(f).T  # [H, 2I]
-        h = xin @ w13e
-        for slot in torch.unique(slots[sel]).tolist():
-            if slot >= 0:
-                m = slots[sel] == slot
-                h[m] += (xin[m] @ a13[slot, e].to(f).T) @ b13[slot, e].to(f).T
-        if w13_bias is not None:
-            h += w13_bias[e].to(f)
-        gate, up = (h[:, 0::2], h[:, 1::2]) if layout == "transposed_interleaved" else (h[:, :I], h[:, I:])
-        if activation == "silu":
-            act = torch.nn.functional.silu(gate) * up
-        else:
-            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-            act = (up + 1) * gate * torch.sigmoid(alpha * gate)
-        o = act @ (w2[e].to(f) if transposed else w2[e].to(f).T)
-        for slot in torch.unique(slots[sel]).tolist():
-            if slot >= 0:
-                m = slots[sel] == slot
-                o[m] += (act[m] @ a2[slot, e].to(f).T) @ b2[slot, e].to(f).T
-        if w2_bias is not None:
-            o += w2_bias[e].to(f)
-        out[sel] = o if routing_weight_on_input else o * weights[sel, None]
-    return out.view(T, k, H).sum(1)
+def kernel_case(**fields) -> MoECase:
+    return MoECase(**{**KERNEL_CASE, **fields})
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# cases
-# ----------------------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Case:
-    T: int = 5
-    H: int = 32
-    I: int = 16
-    E: int = 4
-    k: int = 2
-    L: int = 2
-    R: int = 16
-    layout: str = "concat"
-    activation: str = "silu"
-    bias: bool = False
-    on_input: bool = False
-    experts: Optional[tuple] = None  # experts topk_ids draws from (default: all)
-    lora: str = "random"  # "random" | "none" (all -1) | "mixed" (every other token -1)
-    adapter_ranks: Optional[tuple] = None  # true rank per slot, zero-padded to R
-    limit: float = LIMIT
-
-
-def make_inputs(c: Case, dtype=torch.float32, device=DEVICE, scale=1.0):
-    """Random layer, routing and adapters for case ``c``; std of h and y about 1."""
-    g = torch.Generator().manual_seed(1234)
-
-    def rnd(*shape, std=1.0):
-        return (torch.randn(*shape, generator=g) * std * scale).to(dtype).to(device)
-
-    pool = torch.tensor(c.experts if c.experts is not None else range(c.E))
-    choice = torch.stack([torch.randperm(len(pool), generator=g)[: c.k] for _ in range(c.T)]) if len(pool) >= c.k \
-        else torch.zeros(c.T, c.k, dtype=torch.long)
-    topk_ids = pool[choice].to(torch.int32).to(device)
-    topk_weights = torch.rand(c.T, c.k, generator=g).to(dtype).to(device)
-    lora_ids = torch.randint(0, c.L, (c.T,), generator=g).to(torch.int32)
-    if c.lora == "none":
-        lora_ids[:] = -1
-    elif c.lora == "mixed":
-        lora_ids[::2] = -1
-    two_i = 2 * c.I
-    if c.layout == "concat":
-        w13, w2 = rnd(c.E, two_i, c.H, std=c.H ** -0.5), rnd(c.E, c.H, c.I, std=c.I ** -0.5)
-    else:
-        w13, w2 = rnd(c.E, c.H, two_i, std=c.H ** -0.5), rnd(c.E, c.I, c.H, std=c.I ** -0.5)
-    a13, b13 = rnd(c.L, c.E, c.R, c.H, std=c.H ** -0.5), rnd(c.L, c.E, two_i, c.R, std=c.R ** -0.5)
-    a2, b2 = rnd(c.L, c.E, c.R, c.I, std=c.I ** -0.5), rnd(c.L, c.E, c.H, c.R, std=c.R ** -0.5)
-    if c.adapter_ranks is not None:  # slot l has true rank r_l: rows of A / columns of B past r_l are zero
-        for slot, r in enumerate(c.adapter_ranks):
-            for t in (a13, a2):
-                t[slot, :, r:, :] = 0
-            for t in (b13, b2):
-                t[slot, :, :, r:] = 0
-    kwargs = dict(layout=c.layout, activation=c.activation, limit=c.limit, routing_weight_on_input=c.on_input)
-    if c.bias:
-        kwargs.update(w13_bias=rnd(c.E, two_i, std=0.5), w2_bias=rnd(c.E, c.H, std=0.5))
-    x = rnd(c.T, c.H)
-    return (x, topk_ids, topk_weights, lora_ids.to(device), w13, w2, a13, b13, a2, b2), kwargs
-
-
-def reference_of(args, kwargs):
-    kw = dict(kwargs)
-    on_input = kw.pop("routing_weight_on_input")
-    return loop_reference(*(a.cpu() for a in args), **{k: (v.cpu() if torch.is_tensor(v) else v)
-                                                        for k, v in kw.items()}, on_input=on_input)
+def oracle(args, kwargs) -> torch.Tensor:
+    """The float64 oracle of the op's arguments, on the CPU."""
+    return moe_lora_oracle(*args, **kwargs).cpu()
 
 
 CASES = [
     # T=1 decode, one adapter slot, k=1
-    pytest.param(Case(T=1, k=1, L=1), id="T1-k1-L1"),
+    pytest.param(kernel_case(T=1, k=1, L=1), id="T1-k1-L1"),
     # several tokens, k>1, L>1, random slots (every token has an adapter)
-    pytest.param(Case(T=6, k=2, L=3), id="k2-L3"),
+    pytest.param(kernel_case(T=6, k=2, L=3), id="k2-L3"),
     # experts 1 and 3 receive no pair (empty experts)
-    pytest.param(Case(T=5, E=6, experts=(0, 2, 4, 5)), id="empty-experts"),
+    pytest.param(kernel_case(T=5, E=6, experts=(0, 2, 4, 5)), id="empty-experts"),
     # every pair on expert 2 (k=1), 20 pairs > BLOCK_M: two blocks of one expert
-    pytest.param(Case(T=20, k=1, E=4, experts=(2,)), id="one-expert-two-blocks"),
+    pytest.param(kernel_case(T=20, k=1, E=4, experts=(2,)), id="one-expert-two-blocks"),
     # no token has an adapter: all LoRA work skipped, base only
-    pytest.param(Case(T=5, lora="none"), id="all-minus-one"),
+    pytest.param(kernel_case(T=5, lora="none"), id="all-minus-one"),
     # every other token without adapter
-    pytest.param(Case(T=7, L=3, lora="mixed"), id="mixed-minus-one"),
+    pytest.param(kernel_case(T=7, L=3, lora="alternate"), id="mixed-minus-one"),
     # slot ranks 16 / 5 / 9 zero-padded to R=16
-    pytest.param(Case(T=6, L=3, adapter_ranks=(16, 5, 9)), id="mixed-ranks"),
+    pytest.param(kernel_case(T=6, L=3, ranks=(16, 5, 9)), id="mixed-ranks"),
     # R=8 < 16: rank axis masked inside a 16-wide tile
-    pytest.param(Case(T=4, R=8), id="rank8-masked"),
+    pytest.param(kernel_case(T=4, R=8), id="rank8-masked"),
     # H and I not multiples of the 16-wide tiles: masked K and N paths
-    pytest.param(Case(T=4, H=40, I=24), id="uneven-K-N"),
+    pytest.param(kernel_case(T=4, H=40, I=24), id="uneven-K-N"),
     # Llama-4: transposed concat, routing weight on the input
-    pytest.param(Case(T=5, layout="transposed_concat", on_input=True, lora="mixed"), id="llama4-on-input"),
+    pytest.param(kernel_case(T=5, layout="transposed_concat", routing_weight_on_input=True, lora="alternate"),
+                 id="llama4-on-input"),
     # GPT-OSS: transposed interleaved, clamped swiglu (limit low enough to clamp), biases
-    pytest.param(Case(T=5, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True, limit=0.5),
+    pytest.param(kernel_case(T=5, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True, limit=0.5),
                  id="gptoss-bias-clamp"),
     # concat layout with biases and the GPT-OSS activation
-    pytest.param(Case(T=3, bias=True, activation="gptoss_swiglu", lora="mixed"), id="concat-bias-swiglu"),
+    pytest.param(kernel_case(T=3, bias=True, activation="gptoss_swiglu", lora="alternate"), id="concat-bias-swiglu"),
     # k=5 of 8 experts (not a power of two: the top-k kernel's row tile is padded), uneven H, adapters on some
-    pytest.param(Case(T=2, H=40, E=8, k=5, L=2, lora="mixed"), id="k5-uneven-H"),
+    pytest.param(kernel_case(T=2, H=40, E=8, k=5, L=2, lora="alternate"), id="k5-uneven-H"),
 ]
 
 
@@ -231,18 +98,18 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_fused_moe_lora_kernel_matches_loop(case, path):
     """Both routing paths (sorted per expert/slot, one pair per block), w2 shrink fused or not, per-pair w2 with
-    the top-k sum fused or not, vs the loop."""
-    args, kwargs = make_inputs(case)
+    the top-k sum fused or not, vs the oracle."""
+    args, kwargs = case.make(DEVICE)
     y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path))
     assert y.shape == (case.T, case.H) and y.dtype == torch.float32
-    torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
 def test_int64_ids_and_empty_batch(per_pair):
     """int64 topk_ids / token_lora_ids give the int32 result; T=0 gives an empty [0, H] output."""
-    c = Case(T=4, lora="mixed")
-    args, kwargs = make_inputs(c)
+    c = kernel_case(T=4, lora="alternate")
+    args, kwargs = c.make(DEVICE)
     y32 = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair))
     wide = list(args)
     wide[1], wide[3] = args[1].long(), args[3].long()
@@ -252,24 +119,16 @@ def test_int64_ids_and_empty_batch(per_pair):
     assert fused_moe_lora_triton(*empty, **kwargs).shape == (0, c.H)
 
 
-def test_expert_loop_reference_matches_token_loop():
-    """The float32 per-expert reference used at real shapes on the GPU agrees with the float64 token loop."""
-    args, kwargs = make_inputs(Case(T=6, L=3, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True,
-                                    lora="mixed", limit=0.5))
-    torch.testing.assert_close(expert_loop_reference(*args, **kwargs).double(), reference_of(args, kwargs),
-                               rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])
 def test_lora_changes_the_output(per_pair):
     """Guard against a kernel that drops the LoRA delta: with vs without adapters must differ by the delta."""
-    c = Case(T=4, L=2)
-    args, kwargs = make_inputs(c)
+    c = kernel_case(T=4, L=2)
+    args, kwargs = c.make(DEVICE)
     no_lora = list(args)
     no_lora[3] = torch.full_like(args[3], -1)
     y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair, per_pair))
     y0 = fused_moe_lora_triton(*no_lora, **kwargs, config=tiny_config(per_pair, per_pair))
-    delta_ref = reference_of(args, kwargs) - reference_of(tuple(no_lora), kwargs)
+    delta_ref = oracle(args, kwargs) - oracle(no_lora, kwargs)
     assert delta_ref.abs().max() > 0.1
     torch.testing.assert_close((y - y0).cpu().double(), delta_ref, rtol=1e-4, atol=1e-4)
 
@@ -295,7 +154,7 @@ def _aten_ops(fn) -> set:
 def test_fused_topk_sum_has_no_separate_sum():
     """Per-pair mode with ``fuse_topk_sum``: the top-k sum happens in the w2 kernel (no torch sum, no memset);
     with it off, a torch sum follows. Same result both ways; the fused one repeats bit for bit."""
-    args, kwargs = make_inputs(Case(T=3, k=3, L=2, lora="mixed"))
+    args, kwargs = kernel_case(T=3, k=3, L=2, lora="alternate").make(DEVICE)
     old = tiny_config(True, True, fuse_topk_sum=False)
     assert "sum" in _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=old))
     ops = _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True)))
@@ -312,57 +171,78 @@ def test_fused_topk_sum_has_no_separate_sum():
 ])
 def test_split_k_is_deterministic_and_matches(k, split2):
     """Split-K of w13 (per tile, the last arriver sums in split order) and of w2 (inside the top-k sum): equal to
-    the loop, to the unsplit kernels up to fp32 summation order, and bit for bit the same on a repeat."""
-    c = Case(T=3, H=48, I=48, k=k, L=2, lora="mixed", bias=True, layout="transposed_interleaved",
-             activation="gptoss_swiglu", limit=0.5)
-    args, kwargs = make_inputs(c)
+    the oracle, to the unsplit kernels up to fp32 summation order, and bit for bit the same on a repeat."""
+    c = kernel_case(T=3, H=48, I=48, k=k, L=2, lora="alternate", bias=True, layout="transposed_interleaved",
+                    activation="gptoss_swiglu", limit=0.5)
+    args, kwargs = c.make(DEVICE)
     cfg = tiny_config(True, True, split13=3, split2=split2)
     y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
-    torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
     y1 = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(True, True))
     torch.testing.assert_close(y, y1, rtol=1e-5, atol=1e-5)
     assert torch.equal(y, fused_moe_lora_triton(*args, **kwargs, config=cfg))
     assert not _aten_ops(lambda: fused_moe_lora_triton(*args, **kwargs, config=cfg)) & {"sum", "zero_", "fill_"}
 
 
-def test_pdl_switches(monkeypatch):
-    """PDL: config key over env var over default (late trigger); never on without a CUDA SM90+ device (here:
-    never); the launch chain compiles every kernel with USE_PDL=mode and launches all but the first as
-    dependents."""
+def test_pdl_switches(set_switch):
+    """PDL precedence: a config the caller passes, over MOE_LORA_PDL, over a tuned entry's key, over the default
+    (late trigger); never on without a CUDA SM90+ device (here: never); the launch chain compiles every kernel with
+    USE_PDL=mode and launches all but the first as dependents."""
+    from moe_lora_compile import settings
     from moe_lora_compile.ops.triton import pdl
-    monkeypatch.delenv(pdl.ENV_VAR, raising=False)
-    assert pdl.pdl_requested() == pdl.pdl_requested({}) == pdl.LATE
-    assert pdl.pdl_requested({"pdl": False}) == pdl.OFF and pdl.pdl_requested({"pdl": "early"}) == pdl.EARLY
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
-    assert pdl.pdl_requested() == pdl.pdl_requested({"pdl": None}) == pdl.OFF
-    assert pdl.pdl_requested({"pdl": True}) == pdl.LATE
-    for value, mode in (("1", pdl.LATE), ("late", pdl.LATE), ("EARLY", pdl.EARLY), ("off", pdl.OFF)):
-        monkeypatch.setenv(pdl.ENV_VAR, value)
-        assert pdl.pdl_requested() == mode
-    # a tuned entry's "pdl" (env_first) yields to the variable when it is set, not otherwise
-    monkeypatch.setenv(pdl.ENV_VAR, "0")
-    assert pdl.pdl_requested({"pdl": "early"}, env_first=True) == pdl.OFF
-    monkeypatch.delenv(pdl.ENV_VAR)
-    assert pdl.pdl_requested({"pdl": "early"}, env_first=True) == pdl.EARLY
-    monkeypatch.setenv(pdl.ENV_VAR, "sometimes")
+    from moe_lora_compile.ops.triton.configs import requested_pdl
+    caller = lambda value: requested_pdl(value, passed_by_caller=True)  # noqa: E731
+    tuned = lambda value: requested_pdl(value, passed_by_caller=False)  # noqa: E731
+    set_switch(settings.PDL, None)
+    assert caller(None) == tuned(None) == pdl.PDL_LATE
+    assert caller(False) == pdl.PDL_OFF and caller("early") == pdl.PDL_EARLY
+    set_switch(settings.PDL, "0")
+    assert caller(None) == tuned(None) == pdl.PDL_OFF
+    assert caller(True) == pdl.PDL_LATE  # the caller's config wins over the variable
+    for value, mode in (("1", pdl.PDL_LATE), ("late", pdl.PDL_LATE), ("EARLY", pdl.PDL_EARLY), ("off", pdl.PDL_OFF)):
+        set_switch(settings.PDL, value)
+        assert caller(None) == mode
+    # a tuned entry's "pdl" yields to the variable when it is set, not otherwise
+    set_switch(settings.PDL, "0")
+    assert tuned("early") == pdl.PDL_OFF
+    set_switch(settings.PDL, None)
+    assert tuned("early") == pdl.PDL_EARLY
+    set_switch(settings.PDL, "sometimes")
     with pytest.raises(ValueError, match="PDL setting"):
-        pdl.pdl_requested()
+        caller(None)
+    with pytest.raises(ValueError, match="PDL setting"):  # a bad config value fails when the config is made
+        tiny_config(True).replace(pdl="sometimes")
+    set_switch(settings.PDL, None)
     assert not pdl.pdl_supported(torch.device("cpu")) and pdl.use_pdl(torch.device("cpu"), {"pdl": True}) == 0
     if DEVICE == "cpu":  # the interpreter never uses PDL, whatever the device
         assert pdl.use_pdl(torch.device("cuda"), {"pdl": True}) == 0
-    on = pdl.LaunchChain(pdl.LATE)
+        assert pdl.supported_mode(torch.device("cuda"), pdl.PDL_LATE) == pdl.PDL_OFF
+    on = pdl.LaunchChain(pdl.PDL_LATE)
     assert [on.next(), on.next(), on.next()] == [{"USE_PDL": 2}] + [{"USE_PDL": 2, "launch_pdl": True}] * 2
-    off = pdl.LaunchChain(pdl.OFF)
+    off = pdl.LaunchChain(pdl.PDL_OFF)
     assert [off.next(), off.next()] == [{"USE_PDL": 0}] * 2
+
+
+def test_hot_path_switches_are_read_once(set_switch, monkeypatch):
+    """MOE_LORA_PDL is read at its first use and kept: changing the environment later changes nothing until
+    settings.reload()."""
+    from moe_lora_compile import settings
+    from moe_lora_compile.ops.triton.configs import requested_pdl
+    set_switch(settings.PDL, "early")
+    assert requested_pdl(None, passed_by_caller=True) == 1
+    monkeypatch.setenv(settings.PDL.name, "0")  # not re-read
+    assert requested_pdl(None, passed_by_caller=True) == 1
+    settings.reload()
+    assert requested_pdl(None, passed_by_caller=True) == 0
 
 
 def test_pdl_requested_without_support_is_ignored():
     """A config asking for PDL where it is unsupported (the interpreter) gives the same result as without."""
-    args, kwargs = make_inputs(Case(T=2, k=2, L=2, lora="mixed"))
+    args, kwargs = kernel_case(T=2, k=2, L=2, lora="alternate").make(DEVICE)
     for per_pair in (False, True):
         cfg = tiny_config(per_pair, per_pair)
         y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
-        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=True))
         torch.testing.assert_close(y_pdl, y, rtol=0, atol=0)
 
 
@@ -399,15 +279,19 @@ def test_routing_groups_pairs_per_expert_and_slot(T, k, E, L, block_m):
 
 
 @pytest.mark.parametrize("per_token", [False, True], ids=["block_shrink", "token_shrink"])
-@pytest.mark.parametrize("T,n_in,n_out,lora,bias", [
-    (1, 32, 16, "random", False),   # one token
-    (19, 32, 48, "mixed", True),    # two row blocks, every other token -1, bias
-    (5, 40, 24, "random", False),   # in/out not multiples of 16: masked K and N
-    (6, 32, 16, "none", True),      # all -1: base linear + bias only
-    (7, 32, 16, "one_slot", False),  # every token on one slot (L = 1)
-    (9, 48, 32, "mixed_ranks", False),  # slots of real rank 2, 5, 8 zero-padded to R = 8, one token per slot and -1s
+@pytest.mark.parametrize("T,n_in,n_out,lora,bias,split_k", [
+    (1, 32, 16, "random", False, 1),   # one token
+    (19, 32, 48, "mixed", True, 1),    # two row blocks, every other token -1, bias
+    (5, 40, 24, "random", False, 1),   # in/out not multiples of 16: masked K and N
+    (6, 32, 16, "none", True, 1),      # all -1: base linear + bias only
+    (7, 32, 16, "one_slot", False, 1),  # every token on one slot (L = 1)
+    (9, 48, 32, "mixed_ranks", False, 1),  # slots of real rank 2, 5, 8 zero-padded to R = 8, one token per slot, -1s
+    (1, 64, 16, "random", True, 4),    # decode split-K: 4 K slices summed by the last program, bias once
+    (19, 48, 48, "mixed", True, 2),    # split-K over two row blocks and three column tiles (counter per tile)
+    (5, 40, 24, "random", False, 3),   # split-K with a ragged last slice (40 = 16 + 16 + 8) and masked N
+    (6, 32, 16, "none", False, 2),     # split-K, all -1: no LoRA in any slice
 ])
-def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
+def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, split_k, per_token):
     g = torch.Generator().manual_seed(7)
     L, R = (1 if lora == "one_slot" else 3), 8
     x = torch.randn(T, n_in, generator=g)
@@ -424,34 +308,36 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, per_token):
             b[slot, :, rank:] = 0
         ids = torch.tensor([0, 1, 2, -1, 2, 1, 0, -1, 1], dtype=torch.int32)
     b_vec = torch.randn(n_out, generator=g) if bias else None
-    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK, per_token=per_token)}
+    cfg = {"BLOCK_M": 16, "gemm": dict(asdict(_GEMM), SPLIT_K=split_k),
+           "shrink": dict(asdict(_SHRINK), per_token=per_token)}
     y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)),
                            bias=None if b_vec is None else b_vec.to(DEVICE), config=cfg)
-    ref = x.double() @ weight.double().T
-    if bias:
-        ref += b_vec.double()
-    for t in range(T):
-        if ids[t] >= 0:
-            ref[t] += b[ids[t]].double() @ (a[ids[t]].double() @ x[t].double())
+    ref = lora_linear_oracle(x, weight, a, b, ids, bias=b_vec)
     torch.testing.assert_close(y.cpu().double(), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("T,n_in,n_out,block_n", [
-    (1, 2880, 4096, 64),  # GPT-OSS q at decode: 64 column tiles of 64
-    (1, 2880, 512, 16),  # k/v: 8 tiles of 64 would leave the SMs idle -> 32 tiles of 16
-    (8, 2048, 2048, 32),  # Qwen3 o: 32 tiles of 64 -> 64 of 32
-    (65, 2048, 512, 64),  # past decode sizes: block shrink, 64-wide tiles
+    (1, 2880, 4096, 64),  # GPT-OSS q at decode: 64 column tiles, split-K to ~2 programs per SM
+    (1, 2880, 512, 32),  # k/v: 16 narrow tiles; split-K capped by 2 K steps a slice
+    (8, 2048, 5120, 64),  # a fused q/k/v output at batch 8
+    (64, 2048, 2048, 64),  # the largest decode batch: 4 row blocks
+    (65, 2048, 512, 64),  # past decode sizes: block shrink, 64-wide tiles, no split
 ])
 def test_default_linear_config(T, n_in, n_out, block_n):
-    """Decode-sized batches get the per-token shrink (split-K filling the SMs) and narrower column tiles where 64
-    would give few programs; larger batches the block shrink."""
+    """Decode-sized batches get the per-token shrink and a split-K GEMM whose programs fill the SMs about twice
+    (unless K runs out of 2-step slices); larger batches the block shrink and no split."""
     from moe_lora_compile.ops.triton.launch import default_linear_config
 
     cfg = default_linear_config(T, n_in, n_out, num_sms=132)
-    assert cfg["gemm"]["BLOCK_N"] == block_n
+    gemm = cfg["gemm"]
+    assert gemm["BLOCK_N"] == block_n
     assert cfg["shrink"]["per_token"] == (T <= 64)
     if T <= 64:
         assert T * cfg["shrink"]["SPLIT_K"] >= 132 or cfg["shrink"]["SPLIT_K"] == -(-n_in // 128)
+        programs = -(-T // cfg["BLOCK_M"]) * -(-n_out // block_n) * gemm["SPLIT_K"]
+        assert programs >= 2 * 132 or gemm["SPLIT_K"] in (1, -(-n_in // (2 * gemm["BLOCK_K"])))
+    else:
+        assert gemm["SPLIT_K"] == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -467,11 +353,11 @@ _POISON_IDS = [0, 1, -1, 2, 1, 0, -1, 1]
 @pytest.mark.parametrize("name,value", [("b13", float("inf")), ("b2", float("nan")), ("a13", float("inf")),
                                         ("a2", -float("inf"))])
 def test_nonfinite_slot_stays_in_its_rows(name, value, path):
-    c = Case(T=8, E=2, k=1, L=3, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
-    args, kwargs = make_inputs(c)
+    c = kernel_case(T=8, E=2, k=1, L=3, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True)
+    args, kwargs = c.make(DEVICE)
     args = list(args)
     args[3] = torch.tensor(_POISON_IDS, dtype=torch.int32, device=DEVICE)
-    ref = reference_of(args, kwargs)
+    ref = oracle(args, kwargs)
     pos = {"a13": 6, "b13": 7, "a2": 8, "b2": 9}[name]
     args[pos] = args[pos].clone()
     args[pos][1] = value
@@ -486,10 +372,9 @@ def test_lora_linear_nonfinite_slot_stays_in_its_rows():
     x, weight = torch.randn(8, n_in, generator=g), torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
     a, b = torch.randn(L, R, n_in, generator=g), torch.randn(L, n_out, R, generator=g)
     ids = torch.tensor(_POISON_IDS, dtype=torch.int32)
-    ref = torch.stack([x[t].double() @ weight.double().T + (b[i].double() @ (a[i].double() @ x[t].double())
-                                                            if i >= 0 else 0) for t, i in enumerate(_POISON_IDS)])
+    ref = lora_linear_oracle(x, weight, a, b, ids)  # on the clean weights
     b[1, 0, 0] = float("inf")
-    cfg = {"BLOCK_M": 16, "gemm": dict(_GEMM), "shrink": dict(_SHRINK)}
+    cfg = {"BLOCK_M": 16, "gemm": asdict(_GEMM), "shrink": asdict(_SHRINK)}
     y = lora_linear_triton(*(t.to(DEVICE) for t in (x, weight, a, b, ids)), config=cfg).cpu().double()
     others = ids != 1
     torch.testing.assert_close(y[others], ref[others], rtol=1e-4, atol=1e-4)
@@ -500,33 +385,26 @@ def _rel_err(y, ref):
     return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def _real_case(geometry, T, L, R, lora):
-    layout = geometry.layout
-    return Case(T=T, H=geometry.H, I=geometry.I, E=geometry.E, k=geometry.k, L=L, R=R, layout=layout,
-                activation="gptoss_swiglu" if geometry.activation == "gptoss_swiglu" else "silu",
-                bias=geometry.bias, lora=lora)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("geometry", [GPT_OSS_20B, QWEN3_30B_A3B], ids=lambda g: g.name)
 @pytest.mark.parametrize("T,L,R,lora", [
-    (1, 4, 16, "random"),     # decode: per-pair path
-    (8, 4, 64, "mixed"),      # small batch, half the tokens without adapter
-    (128, 16, 64, "random"),  # sorted path, many slots per block
-    (2048, 4, 16, "mixed"),   # prefill-sized: big blocks
+    (1, 4, 16, "all"),           # decode: per-pair path
+    (8, 4, 64, "alternate"),     # small batch, half the tokens without adapter
+    (128, 16, 64, "all"),        # sorted path, many slots per block
+    (2048, 4, 16, "alternate"),  # prefill-sized: big blocks
 ])
 def test_gpu_bf16_real_shapes(geometry, T, L, R, lora):
-    c = _real_case(geometry, T, L, R, lora)
-    args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
+    c = MoECase.of_geometry(geometry, T, L, R, lora)
+    args, kwargs = c.make("cuda", dtype=torch.bfloat16)
     y = torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)
-    ref = expert_loop_reference(*args, **kwargs)
+    ref = moe_lora_oracle(*args, **kwargs)
     assert y.dtype == torch.bfloat16 and y.shape == (T, c.H)
     assert _rel_err(y, ref) < 1e-2
     # the LoRA delta itself is right, not only drowned in the base output
     no_lora = list(args)
     no_lora[3] = torch.full_like(args[3], -1)
     y0 = torch.ops.moe_lora.fused_moe_lora(*no_lora, **kwargs)
-    ref0 = expert_loop_reference(*no_lora, **kwargs)
+    ref0 = moe_lora_oracle(*no_lora, **kwargs)
     assert _rel_err(y.float() - y0.float(), ref - ref0) < 5e-2
 
 
@@ -534,10 +412,10 @@ def test_gpu_bf16_real_shapes(geometry, T, L, R, lora):
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_fp32_edge_cases(case):
     """The CPU rows on the GPU, fp32 (ieee dots), all kernel paths of PATHS."""
-    args, kwargs = make_inputs(case, device="cuda")
+    args, kwargs = case.make("cuda")
     for path in [p.values[0] for p in PATHS]:
         y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path))
-        torch.testing.assert_close(y.cpu().double(), reference_of(args, kwargs), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu
@@ -559,16 +437,16 @@ def test_gpu_pdl_and_topk_sum_variants_agree(geometry, T):
     """bf16, real shapes: PDL on == PDL off bit for bit; the per-pair path with the fused top-k sum and with w2 +
     torch sum, and the sorted path, all match the fp32 reference."""
     from moe_lora_compile.ops.triton.configs import get_config
-    c = _real_case(geometry, T, L=4, R=16, lora="mixed")
-    args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
-    ref = expert_loop_reference(*args, **kwargs)
+    c = MoECase.of_geometry(geometry, T, L=4, R=16, lora="alternate")
+    args, kwargs = c.make("cuda", dtype=torch.bfloat16)
+    ref = moe_lora_oracle(*args, **kwargs)
     base = get_config(args[0].device, c.E, c.H, c.I, c.R, T, c.k)
-    variants = [dict(base, per_pair=True, fuse_shrink2=True, fuse_topk_sum=fuse) for fuse in (True, False)]
+    variants = [base.replace(per_pair=True, fuse_shrink2=True, fuse_topk_sum=fuse) for fuse in (True, False)]
     if T > 1:
-        variants.append(dict(base, per_pair=False))
+        variants.append(base.replace(per_pair=False))
     for cfg in variants:
-        y_off = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
-        y_on = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        y_off = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=False))
+        y_on = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=True))
         torch.cuda.synchronize()
         assert torch.equal(y_on, y_off), cfg
         assert y_on.dtype == torch.bfloat16 and y_on.shape == (T, c.H)
@@ -582,16 +460,16 @@ def test_gpu_split_k_variants_agree(geometry, T, per_pair):
     """bf16, real shapes: w13 split-K (and w2 split-K in the per-pair top-k sum) match the fp32 reference, repeat
     bit for bit, and give the same bits with PDL on and off."""
     from moe_lora_compile.ops.triton.configs import get_config
-    c = _real_case(geometry, T, L=4, R=16, lora="mixed")
-    args, kwargs = make_inputs(c, dtype=torch.bfloat16, device="cuda")
-    ref = expert_loop_reference(*args, **kwargs)
+    c = MoECase.of_geometry(geometry, T, L=4, R=16, lora="alternate")
+    args, kwargs = c.make("cuda", dtype=torch.bfloat16)
+    ref = moe_lora_oracle(*args, **kwargs)
     base = get_config(args[0].device, c.E, c.H, c.I, c.R, T, c.k)
-    base = dict(base, per_pair=per_pair, fuse_shrink2=per_pair, BLOCK_M=16)
+    base = base.replace(per_pair=per_pair, fuse_shrink2=per_pair, BLOCK_M=16)
     for split13, split2 in ((1, 1), (3, 1), (8, 2), (2, 4)):
-        cfg = dict(base, w13=dict(base["w13"], SPLIT_K=split13), w2=dict(base["w2"], SPLIT_K=split2))
-        y = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
-        y_again = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=False))
-        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=dict(cfg, pdl=True))
+        cfg = base.replace(**{"w13.SPLIT_K": split13, "w2.SPLIT_K": split2})
+        y = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=False))
+        y_again = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=False))
+        y_pdl = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(pdl=True))
         torch.cuda.synchronize()
         assert torch.equal(y, y_again) and torch.equal(y, y_pdl), (split13, split2)
         assert _rel_err(y, ref) < 1e-2, (split13, split2)
@@ -609,16 +487,16 @@ def test_gpu_new_token_count_does_not_recompile():
     from moe_lora_compile.ops.triton import moe_kernels, routing
     kernels = (moe_kernels.moe_w13_kernel, moe_kernels.moe_w2_kernel, moe_kernels.lora_shrink_kernel,
                routing._count_kernel, routing._offsets_kernel, routing._scatter_kernel)
-    c = _real_case(QWEN3_30B_A3B, 40, 4, 16, "mixed")
+    c = MoECase.of_geometry(QWEN3_30B_A3B, 40, 4, 16, "alternate")
     cfg = None
     # sorted path at T=40..64, then the per-pair path (fused top-k sum) at T=1..5, same config each
     for T, per_pair in ((40, False), (41, False), (57, False), (64, False), (1, True), (2, True), (3, True),
                         (5, True)):
-        args, kwargs = make_inputs(replace(c, T=T), dtype=torch.bfloat16, device="cuda")
+        args, kwargs = replace(c, T=T).make("cuda", dtype=torch.bfloat16)
         if cfg is None:
             from moe_lora_compile.ops.triton.configs import default_config
             cfg = default_config(c.E, c.H, c.I, c.R, T, c.k)
-            cfg_pp = dict(cfg, per_pair=True, fuse_shrink2=True, fuse_topk_sum=True)
+            cfg_pp = cfg.replace(per_pair=True, fuse_shrink2=True, fuse_topk_sum=True)
             fused_moe_lora_triton(*args, **kwargs, config=cfg)
             fused_moe_lora_triton(*(a[:4] for a in args[:4]), *args[4:], **kwargs, config=cfg_pp)
             before = [_kernel_cache_size(k) for k in kernels]
@@ -628,8 +506,13 @@ def test_gpu_new_token_count_does_not_recompile():
 
 
 @pytest.mark.gpu
-def test_gpu_lora_linear_bf16():
-    T, n_in, n_out, L, R = 300, 2048, 4096, 4, 64
+@pytest.mark.parametrize("T,n_in,n_out,L,R", [
+    (300, 2048, 4096, 4, 64),  # prefill-sized: block shrink, no split-K
+    (1, 2880, 5120, 8, 32),    # GPT-OSS fused q/k/v at batch 1: per-token shrink, split-K GEMM
+    (8, 4096, 2880, 8, 32),    # GPT-OSS o at batch 8: 8 adapters over 8 rows, split-K
+    (64, 2880, 512, 8, 32),    # GPT-OSS k at the largest decode batch: narrow output, 4 row blocks
+])
+def test_gpu_lora_linear_bf16(T, n_in, n_out, L, R):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(T, n_in, generator=g)
     w = torch.randn(n_out, n_in, generator=g) * n_in ** -0.5
@@ -639,20 +522,25 @@ def test_gpu_lora_linear_bf16():
     y = torch.ops.moe_lora.lora_linear(*(t.cuda().bfloat16() for t in (x, w, a, b)), ids.cuda(),
                                        bias=bias.cuda().bfloat16())
     from moe_lora_compile.ops.reference import lora_linear_reference
-    ref = lora_linear_reference(*(t.cuda().bfloat16().float() for t in (x, w, a, b)), ids.cuda(),
-                                bias=bias.cuda().bfloat16().float())
-    assert _rel_err(y, ref) < 1e-2
+    ref = lora_linear_reference(*(t.bfloat16().double() for t in (x, w, a, b)), ids,
+                                bias=bias.bfloat16().double())
+    assert _rel_err(y.cpu(), ref) < 1e-2
+    none = torch.full_like(ids, -1)  # the LoRA delta alone (base-only run subtracted) is right too
+    y0 = torch.ops.moe_lora.lora_linear(*(t.cuda().bfloat16() for t in (x, w, a, b)), none.cuda(),
+                                        bias=bias.cuda().bfloat16())
+    ref0 = lora_linear_reference(*(t.bfloat16().double() for t in (x, w, a, b)), none, bias=bias.bfloat16().double())
+    assert _rel_err(y.cpu().double() - y0.cpu().double(), ref - ref0) < 5e-2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     # sorted path (default heuristic at T=24), GPT-OSS layout with biases
-    Case(T=24, H=64, I=32, E=8, k=2, L=2, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),
+    kernel_case(T=24, H=64, I=32, E=8, k=2, L=2, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),
     # per-pair path (T=1), concat, half -1
-    Case(T=1, H=64, I=32, E=8, k=2, L=2, lora="mixed"),
+    kernel_case(T=1, H=64, I=32, E=8, k=2, L=2, lora="alternate"),
 ])
 def test_gpu_opcheck(case):
-    args, kwargs = make_inputs(case, dtype=torch.bfloat16, device="cuda")
+    args, kwargs = case.make("cuda", dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.moe_lora.fused_moe_lora.default, args, kwargs,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
@@ -666,45 +554,60 @@ def test_gpu_opcheck(case):
 def test_tuner_coordinates():
     """The tuner's split-K and PDL coordinates: w2 split-K only on the per-pair path; every candidate differs
     from the config it varies in that coordinate alone."""
-    from moe_lora_compile import tune
+    from moe_lora_compile.ops.triton import tune
     from moe_lora_compile.ops.triton import configs
     g = QWEN3_30B_A3B
     per_pair = configs.default_config(g.E, g.H, g.I, 16, 1, g.k)
     sorted_cfg = configs.default_config(g.E, g.H, g.I, 16, 512, g.k)
-    assert [c["w13"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
-    assert [c["w2"]["SPLIT_K"] for c in tune._candidates(per_pair, 1, g, "w2.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert [c.w13.SPLIT_K for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert [c.w2.SPLIT_K for c in tune._candidates(per_pair, 1, g, "w2.SPLIT_K")] == [1, 2, 3, 4, 6, 8]
+    assert all(c.replace(**{"w13.SPLIT_K": 1}) == per_pair for c in tune._candidates(per_pair, 1, g, "w13.SPLIT_K"))
     assert list(tune._candidates(sorted_cfg, 512, g, "w2.SPLIT_K")) == []
     pdl = list(tune._candidates(per_pair, 1, g, "pdl"))
-    assert [c["pdl"] for c in pdl] == [False, "late", "early"]
-    assert all({k: v for k, v in c.items() if k != "pdl"} == per_pair for c in pdl)
+    assert [c.pdl for c in pdl] == [False, "late", "early"]
+    assert all(c.replace(pdl=None) == per_pair for c in pdl)
     assert set(tune.GROUPS) >= {"w13.SPLIT_K", "w2.SPLIT_K", "pdl"}
 
 
 def test_config_lookup_buckets_and_fallback(monkeypatch):
     """Tuned entry of the largest T bucket <= T (smallest below all), nearest tuned rank, heuristic otherwise."""
     from moe_lora_compile.ops.triton import configs
-    tuned = {configs.shape_key(8, 64, 32, 16): {"1": {"tag": "T1"}, "32": {"tag": "T32"}}}
+    heuristic = configs.default_config(8, 64, 32, 16, 1, 2)
+    t1, t32 = heuristic.replace(BLOCK_M=32), heuristic.replace(BLOCK_M=64)  # two entries told apart by BLOCK_M
+    tuned = {configs.shape_key(8, 64, 32, 16): {"1": t1, "32": t32}}
     monkeypatch.setattr(configs, "_load", lambda name: tuned)
     cpu = torch.device("cpu")
-    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2)["tag"] == "T1"
-    assert configs.get_config(cpu, 8, 64, 32, 16, 31, 2)["tag"] == "T1"
-    assert configs.get_config(cpu, 8, 64, 32, 16, 4096, 2)["tag"] == "T32"
-    assert configs.get_config(cpu, 8, 64, 32, 64, 32, 2)["tag"] == "T32"  # R=64 bucket missing: nearest rank
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2) == t1
+    assert configs.get_config(cpu, 8, 64, 32, 16, 31, 2) == t1
+    assert configs.get_config(cpu, 8, 64, 32, 16, 4096, 2) == t32
+    assert configs.get_config(cpu, 8, 64, 32, 64, 32, 2) == t32  # R=64 bucket missing: nearest rank
     fallback = configs.get_config(cpu, 8, 128, 32, 16, 1, 2)  # other layer shape: heuristic
-    assert fallback == configs.default_config(8, 128, 32, 16, 1, 2) and fallback["per_pair"]
+    assert fallback == configs.default_config(8, 128, 32, 16, 1, 2) and fallback.per_pair
 
 
 def test_shipped_configs_are_complete():
-    """Every shipped JSON entry has the keys the launcher reads."""
+    """Every shipped JSON entry parses as a MoEKernelConfig (every key the launcher reads, none it does not know)
+    and survives a round trip through its JSON form."""
     import json
 
-    from moe_lora_compile.ops.triton.configs import CONFIG_DIR
+    from moe_lora_compile.ops.triton.configs import CONFIG_DIR, read_table
     files = sorted(CONFIG_DIR.glob("*.json"))
     assert files
     for path in files:
-        for buckets in json.loads(path.read_text()).values():
+        table = read_table(path)
+        assert sum(map(len, table.values())) == sum(map(len, json.loads(path.read_text()).values()))
+        for buckets in table.values():
             for cfg in buckets.values():
-                assert {"per_pair", "BLOCK_M", "w13", "w2", "shrink"} <= cfg.keys()
-                for kernel in ("w13", "w2"):
-                    assert {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages"} <= cfg[kernel].keys()
-                assert {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"} <= cfg["shrink"].keys()
+                assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_config_from_dict_names_bad_keys():
+    """The dict form: unknown or missing keys are a ValueError naming them; defaults fill the optional keys."""
+    d = tiny_config(True).to_dict()
+    assert MoEKernelConfig.from_dict(d) == tiny_config(True)
+    with pytest.raises(ValueError, match=r"unknown keys \['BLOCK_Q'\]"):
+        MoEKernelConfig.from_dict(dict(d, BLOCK_Q=4))
+    with pytest.raises(ValueError, match=r"missing keys \['BLOCK_N'\]"):
+        MoEKernelConfig.from_dict(dict(d, w13={k: v for k, v in d["w13"].items() if k != "BLOCK_N"}))
+    minimal = {k: v for k, v in d.items() if k in ("per_pair", "BLOCK_M", "w13", "w2", "shrink")}
+    assert MoEKernelConfig.from_dict(minimal).fuse_shrink2 is True  # default: per_pair

@@ -33,7 +33,8 @@ def _logits(setup):
 
 @pytest.mark.parametrize("family, dynamic", CASES, ids=[f"{f}-dynamic={d}" for f, d in CASES])
 def test_fused_ops_and_eager_logits(family, dynamic, tmp_path):
-    setup = build(family, dtype=torch.float32, device=torch.device("cpu"), batch=3, seq_len=5, workdir=str(tmp_path))
+    setup = build(family, dtype=torch.float32, device=torch.device("cpu"), batch=3, seq_len=5, workdir=str(tmp_path),
+                  use_ops=False)  # our reference modules, for the pass
     eager = _logits(setup)
     recorder = RecordingPass()
     torch._dynamo.reset()

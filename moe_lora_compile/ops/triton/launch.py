@@ -7,7 +7,7 @@ shrink13 (x A13^T), w13 (grouped GEMM + LoRA expand + bias + activation [+ shrin
 bias, times routing weight, one row per pair), then the top-k sum:
 - per-pair mode, k > 1 (config ``fuse_topk_sum``, default on): inside the w2 kernel. Each program writes its
   pair's fp32 row tile to a scratch buffer; the last of a token's k programs for that H tile (an int32 arrival
-  counter, zeroed by the w13 kernel) sums the k rows in pair order and writes y. No sum launch, no memset,
+  counter, zeroed by the shrink13 kernel) sums the k rows in pair order and writes y. No sum launch, no memset,
   deterministic, the per-pair grid's parallelism kept (a token-major kernel, one program per (token, H tile)
   looping over the k experts, made the whole layer 1.4-2.8x slower on the H200 at T=1: k times fewer
   programs, each streaming k experts' weights, and its loop did not pipeline across experts);
@@ -22,23 +22,26 @@ token's k*SPLIT_K programs sums every partial). The counters are zeroed by the s
 chain, so there is no memset launch; results are deterministic (fixed summation order, no float atomics).
 
 Every kernel after the first of the chain is launched with programmatic dependent launch on SM90+ (see
-:mod:`.pdl`; ``MOE_LORA_PDL=0`` or config ``"pdl": false`` turns it off).
+:mod:`.pdl`; ``MOE_LORA_PDL=0`` or config ``"pdl": false`` turns it off, which wins:
+:func:`.configs.requested_pdl`). Kernel arguments go by keyword; a pointer the launch's constexpr switches leave
+unread is passed as None (Triton specializes on it), not as a placeholder tensor.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 from torch import Tensor
 
-from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT, is_interleaved, is_transposed
+from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
+from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
 from . import moe_kernels as K
-from .configs import get_config
-from .pdl import LaunchChain, use_pdl
+from .configs import MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
+from .pdl import LaunchChain, supported_mode, use_pdl
 from .routing import sort_pairs
 
 _ACTIVATION_IDS = {"silu": K.SILU, "gptoss_swiglu": K.GPTOSS_SWIGLU}
@@ -72,53 +75,58 @@ def _k_split(K_dim: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
 def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_k, mode, block_m,
                    input_by_token, scale_by_weight, cfg, dtype, launch, counters=None):
     """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten).
-    ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it)."""
+
+    ``meta``: ``(row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m)``; what ``mode`` does not read
+    may be None. ``topk_weights``: read only with ``scale_by_weight``. ``cfg``: :class:`.configs.ShrinkConfig`
+    (or its dict form). ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it)."""
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
-    block_k = _tile(cfg["BLOCK_K"], K_dim)
-    split_k, k_per_split, even_k = _k_split(K_dim, block_k, cfg["SPLIT_K"])
+    cfg = ShrinkConfig.of(cfg)
+    block_k = _tile(cfg.BLOCK_K, K_dim)
+    split_k, k_per_split, even_k = _k_split(K_dim, block_k, cfg.SPLIT_K)
     s = torch.empty((split_k, grid_m * block_m, R), dtype=torch.float32, device=inp.device)
-    zero = counters is not None and counters.numel() > 0
-    counters = counters if zero else token_lora_ids
+    zero_counters = counters is not None and counters.numel() > 0
     K.lora_shrink_kernel[(grid_m, split_k)](
-        inp, inp.stride(0), a, a.stride(0), a.stride(1), a.stride(2), s, topk_weights, token_lora_ids,
-        row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m, K_dim, R, top_k, k_per_split,
-        counters, counters.numel(),
+        in_ptr=inp, stride_in=inp.stride(0), a_ptr=a, stride_al=a.stride(0), stride_ae=a.stride(1),
+        stride_ar=a.stride(2), s_ptr=s, topk_weights_ptr=topk_weights if scale_by_weight else None,
+        token_lora_ptr=token_lora_ids, row_pair_ptr=row_pair, block_expert_ptr=block_expert, topk_ids_ptr=topk_ids,
+        num_blocks_ptr=num_blocks, num_pairs=num_pairs, grid_m=grid_m, K=K_dim, R=R, top_k=top_k,
+        k_per_split=k_per_split, counter_ptr=counters if zero_counters else None,
+        num_counters=counters.numel() if zero_counters else 0,
         BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
-        SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, DOT_PRECISION=_dot_precision(dtype), ZERO_COUNTERS=zero,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch)
+        SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, DOT_PRECISION=_dot_precision(dtype),
+        ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     return s
 
 
 def fused_moe_lora_triton(
     x: Tensor, topk_ids: Tensor, topk_weights: Tensor, token_lora_ids: Tensor, w13: Tensor, w2: Tensor,
     lora_a13: Tensor, lora_b13: Tensor, lora_a2: Tensor, lora_b2: Tensor, *,
-    w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = "concat",
+    w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = CONCAT,
     activation: str = "silu", alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT,
-    routing_weight_on_input: bool = False, config: Optional[dict] = None,
+    routing_weight_on_input: bool = False, config: Union[MoEKernelConfig, dict, None] = None,
 ) -> Tensor:
     """Same contract as :func:`..reference.fused_moe_lora_reference` (arguments already checked); y [T, H] x.dtype.
 
-    ``config`` overrides the tuned/heuristic config (see :mod:`.configs`; its optional ``"pdl"`` and
-    ``"fuse_topk_sum"`` keys switch PDL and the fused w2 + top-k sum kernel)."""
+    ``config`` (a :class:`.configs.MoEKernelConfig` or its dict form) replaces the tuned/heuristic config; its
+    ``pdl`` then wins over ``MOE_LORA_PDL`` (:func:`.configs.requested_pdl`)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
-    E = w13.shape[0]
+    E, _, I = expert_geometry(layout, w13.shape, w2.shape)
     L, R = lora_a13.shape[0], lora_a13.shape[2]
-    I = w2.shape[1] if is_transposed(layout) else w2.shape[2]
     if T == 0:
         return x.new_empty((0, H))
-    cfg = config or get_config(x.device, E, H, I, R, T, top_k)
-    block_m = 16 if cfg["per_pair"] else cfg["BLOCK_M"]
+    cfg = MoEKernelConfig.of(config) if config is not None else get_config(x.device, E, H, I, R, T, top_k)
+    block_m = 16 if cfg.per_pair else cfg.BLOCK_M
     num_pairs = T * top_k
     x = x.contiguous()
     topk_flat = topk_ids.reshape(-1).contiguous()
     weights_flat = topk_weights.reshape(-1).contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a13, b13, a2, b2 = (_last_dim_contiguous(t) for t in (lora_a13, lora_b13, lora_a2, lora_b2))
-    chain = LaunchChain(use_pdl(x.device, cfg, env_first=config is None))
-    if cfg["per_pair"]:
+    chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=config is not None)))
+    if cfg.per_pair:  # one pair per block: no routing, the kernels read the pair's expert from topk_ids
         mode, grid_m = K.PER_PAIR, num_pairs
-        row_pair = block_expert = num_blocks = topk_flat  # unused in this mode
+        row_pair = block_expert = num_blocks = None
     else:
         routing = sort_pairs(topk_ids, token_lora_ids, E, L, block_m, chain=chain)
         mode, grid_m = K.SORTED, routing.grid_m
@@ -129,14 +137,14 @@ def fused_moe_lora_triton(
     act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     dot_precision = _dot_precision(x.dtype)
 
-    c, c2 = cfg["w13"], cfg["w2"]
-    block_n, block_k = _tile(c["BLOCK_N"], I), _tile(c["BLOCK_K"], H)
-    block_n2, block_k2 = _tile(c2["BLOCK_N"], H), _tile(c2["BLOCK_K"], I)
-    split13, k_per_split13, even_k13 = _k_split(H, block_k, c.get("SPLIT_K", 1))
+    c13, c2 = cfg.w13, cfg.w2
+    block_n, block_k = _tile(c13.BLOCK_N, I), _tile(c13.BLOCK_K, H)
+    block_n2, block_k2 = _tile(c2.BLOCK_N, H), _tile(c2.BLOCK_K, I)
+    split13, k_per_split13, even_k13 = _k_split(H, block_k, c13.SPLIT_K)
     # Top-k sum inside the w2 kernel (per-pair mode): fp32 partial per pair (and K slice), the last of a token's
     # programs per H tile sums them. w2 split-K exists only on this path.
-    topk_sum = cfg["per_pair"] and cfg.get("fuse_topk_sum", True) and (top_k > 1 or c2.get("SPLIT_K", 1) > 1)
-    split2, k_per_split2, even_k2 = _k_split(I, block_k2, c2.get("SPLIT_K", 1) if topk_sum else 1)
+    topk_sum = cfg.per_pair and cfg.fuse_topk_sum and (top_k > 1 or c2.SPLIT_K > 1)
+    split2, k_per_split2, even_k2 = _k_split(I, block_k2, c2.SPLIT_K if topk_sum else 1)
     # Arrival counters (int32), zeroed by the shrink13 kernel, the first of the chain: w13's per tile (split-K),
     # then w2's per (token, H tile) (top-k sum).
     n13 = grid_m * triton.cdiv(I, block_n) if split13 > 1 else 0
@@ -145,65 +153,62 @@ def fused_moe_lora_triton(
 
     s13 = _launch_shrink(x, a13, weights_flat, token_lora_ids, meta, K_dim=H, R=R, top_k=top_k, mode=mode,
                          block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
-                         cfg=cfg["shrink"], dtype=x.dtype, launch=chain.next(), counters=counters)
+                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(), counters=counters)
 
-    if is_transposed(layout):  # [E, H, 2I]: element (e, k, n)
-        w13_strides = (w13.stride(0), w13.stride(1), w13.stride(2))
-    else:  # [E, 2I, H]
-        w13_strides = (w13.stride(0), w13.stride(2), w13.stride(1))
-    bias13 = w13_bias if w13_bias is not None else x
-    fuse_shrink2 = cfg.get("fuse_shrink2", cfg["per_pair"])
-    if fuse_shrink2:  # shrink2 in w13's epilogue: one rank-vector slice per I column tile
-        s2 = torch.empty((triton.cdiv(I, block_n), rows, R), dtype=torch.float32, device=x.device)
-    else:
-        s2 = s13  # placeholder; the shrink2 launch below makes the real one
+    fuse_shrink2 = cfg.fuse_shrink2
+    # shrink2 in w13's epilogue: one rank-vector slice per I column tile
+    s2 = torch.empty((triton.cdiv(I, block_n), rows, R), dtype=torch.float32, device=x.device) \
+        if fuse_shrink2 else None
     # w13 split-K: fp32 partial gate/up per K slice (valid rows only are written)
-    part = torch.empty((split13, rows, 2 * I) if split13 > 1 else (1,), dtype=torch.float32, device=x.device)
-    if topk_sum:
-        out = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
-        y = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    else:
-        out = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
-        y = out
-    counters13 = counters[:n13] if n13 else token_lora_ids  # (an unused placeholder when there are none)
-    counters2 = counters[n13:] if n2 else token_lora_ids
+    part = torch.empty((split13, rows, 2 * I), dtype=torch.float32, device=x.device) if split13 > 1 else None
+    stride_w13_e, stride_w13_k, stride_w13_n = in_out_strides(w13, layout)  # (e, k over H, n over 2I)
     K.moe_w13_kernel[(grid_m * triton.cdiv(I, block_n), split13)](
-        x, x.stride(0), w13, *w13_strides, bias13, bias13.stride(0),
-        b13, b13.stride(0), b13.stride(1), b13.stride(2), s13, s13.shape[0], s13.stride(0), act, weights_flat,
-        token_lora_ids,
-        row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, H, I, R, top_k, float(alpha), float(limit),
-        a2, a2.stride(0), a2.stride(1), a2.stride(2), s2, s2.stride(0), part, part.stride(0), counters13,
-        k_per_split13,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, GROUP_SIZE_M=c["GROUP_SIZE_M"],
+        x_ptr=x, stride_xt=x.stride(0), w_ptr=w13, stride_we=stride_w13_e, stride_wk=stride_w13_k,
+        stride_wn=stride_w13_n, bias_ptr=w13_bias, stride_bias_e=0 if w13_bias is None else w13_bias.stride(0),
+        b_ptr=b13, stride_bl=b13.stride(0), stride_be=b13.stride(1), stride_bn=b13.stride(2),
+        s_ptr=s13, num_splits=s13.shape[0], split_stride=s13.stride(0), act_ptr=act, topk_weights_ptr=weights_flat,
+        token_lora_ptr=token_lora_ids, row_pair_ptr=row_pair, block_expert_ptr=block_expert, topk_ids_ptr=topk_flat,
+        num_blocks_ptr=num_blocks, num_pairs=num_pairs, grid_m=grid_m, K=H, I=I, R=R, top_k=top_k,
+        alpha=float(alpha), limit=float(limit),
+        a2_ptr=a2 if fuse_shrink2 else None, stride_a2l=a2.stride(0), stride_a2e=a2.stride(1),
+        stride_a2r=a2.stride(2), s2_ptr=s2, s2_split_stride=s2.stride(0) if fuse_shrink2 else 0,
+        part_ptr=part, part_split_stride=part.stride(0) if split13 > 1 else 0,
+        counter_ptr=counters[:n13] if n13 else None, k_per_split=k_per_split13,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, GROUP_SIZE_M=c13.GROUP_SIZE_M,
         MODE=mode, INTERLEAVED=is_interleaved(layout), HAS_BIAS=w13_bias is not None,
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
         EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
-        SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.get("w13_overlap", True), num_warps=c["num_warps"],
-        num_stages=c["num_stages"], **chain.next())
+        SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.w13_overlap, num_warps=c13.num_warps,
+        num_stages=c13.num_stages, **chain.next())
 
     if not fuse_shrink2:
         s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R, top_k=top_k, mode=mode,
-                            block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg["shrink"],
+                            block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg.shrink,
                             dtype=x.dtype, launch=chain.next())
 
-    if is_transposed(layout):  # [E, I, H]
-        w2_strides = (w2.stride(0), w2.stride(1), w2.stride(2))
-    else:  # [E, H, I]
-        w2_strides = (w2.stride(0), w2.stride(2), w2.stride(1))
-    bias2 = w2_bias if w2_bias is not None else x
+    if topk_sum:  # fp32 partial rows per pair (and K slice), summed per token into y by the w2 kernel
+        out = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
+        y = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    else:  # one row per pair, in x.dtype
+        out, y = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device), None
+    stride_w2_e, stride_w2_k, stride_w2_n = in_out_strides(w2, layout)  # (e, k over I, n over H)
     K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2), split2)](
-        act, act.stride(0), w2, *w2_strides, bias2, bias2.stride(0),
-        b2, b2.stride(0), b2.stride(1), b2.stride(2), s2, s2.shape[0], s2.stride(0), out, out.stride(0), weights_flat,
-        token_lora_ids,
-        row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m, I, H, R, top_k, counters2, y, y.stride(0),
-        k_per_split2,
-        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r, GROUP_SIZE_M=c2["GROUP_SIZE_M"],
+        in_ptr=act, stride_in=act.stride(0), w_ptr=w2, stride_we=stride_w2_e, stride_wk=stride_w2_k,
+        stride_wn=stride_w2_n, bias_ptr=w2_bias, stride_bias_e=0 if w2_bias is None else w2_bias.stride(0),
+        b_ptr=b2, stride_bl=b2.stride(0), stride_be=b2.stride(1), stride_bn=b2.stride(2),
+        s_ptr=s2, num_splits=s2.shape[0], split_stride=s2.stride(0), out_ptr=out, stride_out=out.stride(0),
+        topk_weights_ptr=None if routing_weight_on_input else weights_flat, token_lora_ptr=token_lora_ids,
+        row_pair_ptr=row_pair, block_expert_ptr=block_expert, topk_ids_ptr=topk_flat, num_blocks_ptr=num_blocks,
+        num_pairs=num_pairs, grid_m=grid_m, K=I, N=H, R=R, top_k=top_k,
+        counter_ptr=counters[n13:] if n2 else None, y_ptr=y, stride_y=0 if y is None else y.stride(0),
+        k_per_split=k_per_split2,
+        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r, GROUP_SIZE_M=c2.GROUP_SIZE_M,
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
-        SPLIT_K=split2, num_warps=c2["num_warps"], num_stages=c2["num_stages"], **chain.next())
-    if topk_sum or top_k == 1:
+        SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, **chain.next())
+    if topk_sum:
         return y
-    return out.view(T, top_k, H).sum(dim=1)
+    return out if top_k == 1 else out.view(T, top_k, H).sum(dim=1)
 
 
 ROWS_SHRINK_MAX_T = 64  # up to this many tokens lora_linear's shrink runs per token (dense_kernels), else per block
@@ -217,35 +222,39 @@ def _num_sms(device: torch.device) -> int:
 
 
 def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> dict:
-    """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: column
-    tiles of 64 where that gives >= 40 programs, else narrower (32, 16), and K steps of 256; from a sweep on the
-    H200 (2026-12-03, ``benchmarks/bench_lora_linear.py --configs``): q [4096, 2880] at T=1 19.4 us with 64-wide tiles
-    against 22.7 us with 16-wide ones, k/v [512, 2880] best at 16. The per-token shrink splits K so that the batch's
-    programs fill the SMs about twice."""
+    """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: 64-wide
+    column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two programs per SM
+    stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way. Larger batches:
+    64x64 tiles, block shrink, no split."""
     small = T <= 64
     block_m = 16 if small else 64
     grid_m = triton.cdiv(T, block_m)
-    block_n = 64
+    block_n = 64 if (not small or n_out >= 1024) else 32
+    block_k = 128 if small else 64
+    split_k = 1
     if small:
-        while block_n > 16 and grid_m * triton.cdiv(n_out, block_n) < 40:
-            block_n //= 2
+        tiles = grid_m * triton.cdiv(n_out, block_n)
+        split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(n_in, 2 * block_k)))
     rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
     return {"BLOCK_M": block_m,
-            "gemm": {"BLOCK_N": block_n, "BLOCK_K": 256 if small else 64, "GROUP_SIZE_M": 8, "num_warps": 4,
-                     "num_stages": 4 if small else 3},
+            "gemm": {"BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_SIZE_M": 8, "num_warps": 4,
+                     "num_stages": 4 if small else 3, "SPLIT_K": split_k},
             "shrink": {"BLOCK_K": 128 if small else 64, "SPLIT_K": rows_split if small else 1, "num_warps": 4,
                        "num_stages": 2, "per_token": small}}
 
 
-def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg, launch):
-    """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T)."""
+def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg, launch, counters):
+    """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T); zeroes
+    ``counters`` (int32) on the way."""
     T, n_in = x.shape
     block_k = _tile(cfg["BLOCK_K"], n_in)
     split_k, k_per_split, even_k = _k_split(n_in, block_k, cfg["SPLIT_K"])
     s = torch.empty((split_k, rows, R), dtype=torch.float32, device=x.device)
+    zero = counters.numel() > 0
     DK.lora_shrink_rows_kernel[(T, split_k)](
         x, x.stride(0), a, a.stride(0), a.stride(1), s, s.stride(0), token_lora_ids, T, n_in, R, k_per_split,
-        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, num_warps=cfg["num_warps"],
+        counters if zero else token_lora_ids, counters.numel(),
+        BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, ZERO_COUNTERS=zero, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **launch)
     return s
 
@@ -254,40 +263,46 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
                        bias: Optional[Tensor] = None, config: Optional[dict] = None) -> Tensor:
     """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
     -> y [T, out] in x.dtype. Two launches: shrink (per token for decode-sized batches, config
-    ``shrink.per_token``; else per block of BLOCK_M tokens), then the GEMM with the expand in its epilogue."""
+    ``shrink.per_token``; else per block of BLOCK_M tokens), then the GEMM with the expand in its epilogue
+    (:func:`.dense_kernels.lora_linear_kernel`, split-K ``gemm.SPLIT_K`` with an in-kernel sum; the shrink zeroes
+    its arrival counters)."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     R = lora_a.shape[1]
     if T == 0:
         return x.new_empty((0, n_out))
     cfg = config or default_linear_config(T, n_in, n_out, _num_sms(x.device))
+    c = cfg["gemm"]
     block_m = cfg["BLOCK_M"]
     grid_m = triton.cdiv(T, block_m)
+    block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
+    tiles = grid_m * triton.cdiv(n_out, block_n)
+    split_k, k_per_split, even_k = _k_split(n_in, block_k, c.get("SPLIT_K", 1))
     x = x.contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
     dummy = token_lora_ids
+    counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
     chain = LaunchChain(use_pdl(x.device, cfg))
     if cfg["shrink"].get("per_token", False):
         s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=grid_m * block_m, cfg=cfg["shrink"],
-                                launch=chain.next())
+                                launch=chain.next(), counters=counters)
     else:
-        # lora_linear is the DENSE mode of the MoE kernels with one expert: A [L, 1, R, in] via a zero expert stride.
+        # the block shrink is the DENSE mode of the MoE shrink with one expert: A [L, 1, R, in] (zero expert stride)
         meta = (dummy, dummy, dummy, dummy, T, grid_m)
         s = _launch_shrink(x, a.unsqueeze(1), x, token_lora_ids, meta, K_dim=n_in, R=R, top_k=1, mode=K.DENSE,
                            block_m=block_m, input_by_token=True, scale_by_weight=False, cfg=cfg["shrink"],
-                           dtype=x.dtype, launch=chain.next())
+                           dtype=x.dtype, launch=chain.next(), counters=counters)
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
-    c = cfg["gemm"]
-    block_n, block_k = _tile(c["BLOCK_N"], n_out), _tile(c["BLOCK_K"], n_in)
-    bias_t = bias if bias is not None else x
-    K.moe_w2_kernel[(grid_m * triton.cdiv(n_out, block_n),)](
-        x, x.stride(0), weight, 0, weight.stride(1), weight.stride(0), bias_t, 0,
-        b, b.stride(0), 0, b.stride(1), s, s.shape[0], s.stride(0), out, out.stride(0), x, token_lora_ids,
-        dummy, dummy, dummy, dummy, T, grid_m, n_in, n_out, R, 1, dummy, out, out.stride(0),
-        triton.cdiv(n_in, block_k) * block_k,
+    part = torch.empty((split_k, grid_m * block_m, n_out) if split_k > 1 else (0,), dtype=torch.float32,
+                       device=x.device)
+    DK.lora_linear_kernel[(tiles, split_k)](
+        x, x.stride(0), weight, weight.stride(0), weight.stride(1), bias if bias is not None else x,
+        b, b.stride(0), b.stride(1), s, s.shape[0], s.stride(0), token_lora_ids, out, out.stride(0),
+        part if split_k > 1 else out, counters if split_k > 1 else token_lora_ids,
+        T, grid_m, n_in, n_out, R, k_per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c["GROUP_SIZE_M"],
-        MODE=K.DENSE, HAS_BIAS=bias is not None, WEIGHT_ON_OUTPUT=False,
-        EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=c["num_warps"], num_stages=c["num_stages"], **chain.next())
+        HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
+        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c["num_warps"],
+        num_stages=c["num_stages"], **chain.next())
     return out

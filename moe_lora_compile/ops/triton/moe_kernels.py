@@ -2,7 +2,7 @@
 
 Rows: the kernels work on blocks of BLOCK_M rows; each block belongs to one expert. Row ``pid_m*BLOCK_M + m`` of
 the intermediate buffers (``act [rows, I]``, shrink outputs ``s [rows, R]`` fp32) holds (token, slot) pair
-``pair[m]`` (-1 = padding). Three row modes (constexpr ``MODE``):
+``pair[m]`` (``NO_PAIR`` = padding). Three row modes (constexpr ``MODE``):
 
 - ``SORTED``: pairs grouped per expert by :mod:`.routing` (``row_pair``, ``block_expert``, ``num_blocks``);
 - ``PER_PAIR``: one pair per block (row 0), no routing at all: for tiny batches;
@@ -24,12 +24,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-SORTED = 0
-PER_PAIR = 1
-DENSE = 2
-SILU = 0
-GPTOSS_SWIGLU = 1
-_NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions (a constexpr: jit code reads it)
+from ..contract import NO_ADAPTER
+
+# Values of the kernels' constexpr switches, for the host (launchers); jit code compares with the tl.constexpr twins
+# below (a @triton.jit function may only read globals that are constexprs).
+SORTED, PER_PAIR, DENSE = 0, 1, 2  # MODE: row modes (see the module docstring)
+SILU, GPTOSS_SWIGLU = 0, 1  # ACTIVATION of the w13 kernel
+PDL_OFF, PDL_EARLY, PDL_LATE = 0, 1, 2  # USE_PDL (see grid_dependency_sync and .pdl)
+NO_PAIR = -1  # a padding row of a block (row_pair, pair)
+
+_SORTED, _PER_PAIR, _DENSE = tl.constexpr(SORTED), tl.constexpr(PER_PAIR), tl.constexpr(DENSE)
+_SILU = tl.constexpr(SILU)
+_PDL_EARLY, _PDL_LATE = tl.constexpr(PDL_EARLY), tl.constexpr(PDL_LATE)
+_NO_PAIR = tl.constexpr(NO_PAIR)
+_NO_ADAPTER = tl.constexpr(NO_ADAPTER)  # token_lora_ids of a token without adapter
+_NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions
 
 
 @triton.jit
@@ -39,38 +48,38 @@ def grid_dependency_sync(USE_PDL: tl.constexpr):
     previous kernel in the stream has finished and its writes are visible. Each kernel then completes only after
     its predecessor did, so one wait covers the whole chain (and the caching allocator's reuse of freed buffers).
 
-    ``USE_PDL``: 0 = off (compiles to nothing: interpreter, pre-SM90, a Triton without GDC); 1 = also let the
-    next kernel launch right away (``gdc_launch_dependents`` here); 2 = let it launch from
+    ``USE_PDL``: PDL_OFF (compiles to nothing: interpreter, pre-SM90, a Triton without GDC); PDL_EARLY = also let
+    the next kernel launch right away (``gdc_launch_dependents`` here); PDL_LATE = let it launch from
     :func:`launch_dependents`, called after the main loop (its programs then land on SMs the main loops are
     leaving). Both instructions are no-ops in a kernel that was not launched with ``launch_pdl``."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if USE_PDL == 1:
+        if USE_PDL == _PDL_EARLY:
             tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def launch_dependents(USE_PDL: tl.constexpr):
-    """The late trigger of ``USE_PDL == 2`` (see :func:`grid_dependency_sync`); a program that exits without it
-    triggers at exit."""
-    if USE_PDL == 2:
+    """The late trigger of ``USE_PDL == PDL_LATE`` (see :func:`grid_dependency_sync`); a program that exits without
+    it triggers at exit."""
+    if USE_PDL == _PDL_LATE:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
                 BLOCK_M: tl.constexpr, MODE: tl.constexpr):
-    """-> (pair [BLOCK_M] int32, -1 = padding; the block's expert, int64 scalar)."""
+    """-> (pair [BLOCK_M] int32, NO_PAIR = padding; the block's expert, int64 scalar)."""
     offs_m = tl.arange(0, BLOCK_M)
-    if MODE == 0:
+    if MODE == _SORTED:
         pair = tl.load(row_pair_ptr + pid_m * BLOCK_M + offs_m)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    elif MODE == 1:
-        pair = tl.where(offs_m == 0, pid_m, -1)
+    elif MODE == _PER_PAIR:
+        pair = tl.where(offs_m == 0, pid_m, _NO_PAIR)
         expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
-    else:
+    else:  # DENSE
         rows = pid_m * BLOCK_M + offs_m
-        pair = tl.where(rows < num_pairs, rows, -1)
+        pair = tl.where(rows < num_pairs, rows, _NO_PAIR)
         expert = tl.full([], 0, tl.int64)
     return pair.to(tl.int32), expert
 
@@ -79,7 +88,7 @@ def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
 def _slot_range(lora, has_lora):
     """Smallest and largest adapter slot among the rows with LoRA (first > last when there is none)."""
     first = tl.min(tl.where(has_lora, lora, _NO_SLOT), axis=0)
-    last = tl.max(tl.where(has_lora, lora, -1), axis=0)
+    last = tl.max(tl.where(has_lora, lora, _NO_ADAPTER), axis=0)
     return first, last
 
 
@@ -163,13 +172,13 @@ def lora_shrink_kernel(
         first = (pid_k * tl.num_programs(0) + pid_m) * 128
         for c0 in range(first, num_counters, tl.num_programs(0) * tl.num_programs(1) * 128):
             tl.store(counter_ptr + c0 + offs_c, tl.zeros([128], dtype=tl.int32), mask=c0 + offs_c < num_counters)
-    if MODE == 0:
+    if MODE == _SORTED:
         if pid_m >= tl.load(num_blocks_ptr):
             return
     pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
     valid = pair >= 0
     token = tl.where(valid, pair // top_k, 0)
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
     has_lora = valid & (lora >= 0)
     slot, last = _slot_range(lora, has_lora)
     if slot > last:
@@ -257,7 +266,7 @@ def moe_w13_kernel(
     num_pid_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, num_pid_n, GROUP_SIZE_M)
     pid_k = tl.program_id(1)
-    if MODE == 0:
+    if MODE == _SORTED:
         if pid_m >= tl.load(num_blocks_ptr):
             return
     pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
@@ -339,7 +348,7 @@ def moe_w13_kernel(
                 up += tl.load(u_ptrs + sp * part_split_stride, mask=gu_mask, other=0.0, cache_modifier=".cg")
 
     # Epilogue: routing weight (on input), LoRA delta before the activation, bias, activation.
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -368,7 +377,7 @@ def moe_w13_kernel(
             gate += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=j_mask,
                             other=0.0).to(tl.float32)[None, :]
             up += tl.load(bias_ptr + expert * stride_bias_e + up_cols, mask=j_mask, other=0.0).to(tl.float32)[None, :]
-    if ACTIVATION == 0:
+    if ACTIVATION == _SILU:
         act = gate * tl.sigmoid(gate) * up
     else:
         gate = tl.minimum(gate, limit)
@@ -396,6 +405,9 @@ def moe_w13_kernel(
         tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r_mask[None, :])
 
 
+# moe_w2_kernel is also lora_linear's GEMM: MODE=DENSE runs it with one expert (W [out, in] through a zero expert
+# stride) on token rows (launch.lora_linear_triton); the name says what it is for the MoE layer, the alias what it
+# is for a dense layer.
 @triton.jit(do_not_specialize=["num_pairs", "grid_m"])
 def moe_w2_kernel(
     in_ptr, stride_in, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
@@ -414,7 +426,7 @@ def moe_w2_kernel(
     n*stride_wn; B element (l, e, n, r) at l*stride_bl + e*stride_be + n*stride_bn + r.
 
     TOPK_SUM (PER_PAIR mode): ``out`` is an fp32 scratch [pairs, N]; the program that finishes last among the
-    k pairs of a token (per N tile; ``counter [T, cdiv(N, BLOCK_N)]`` int32, zeroed by the w13 kernel) sums the
+    k pairs of a token (per N tile; ``counter [T, cdiv(N, BLOCK_N)]`` int32, zeroed by the shrink kernel) sums the
     k fp32 rows in pair order and writes ``y [T, N]`` (x.dtype): the top-k sum without its own launch,
     deterministic (fixed order, no float atomics), with the per-pair grid's parallelism.
 
@@ -424,7 +436,7 @@ def moe_w2_kernel(
     grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
     pid_k = tl.program_id(1)
-    if MODE == 0:
+    if MODE == _SORTED:
         if pid_m >= tl.load(num_blocks_ptr):
             return
     pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
@@ -435,7 +447,7 @@ def moe_w2_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = pid_m * BLOCK_M + offs_m
-    if MODE == 2:
+    if MODE == _DENSE:
         in_rows = tl.where(valid, rows, 0).to(tl.int64)
     else:
         in_rows = rows.to(tl.int64)
@@ -446,9 +458,9 @@ def moe_w2_kernel(
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
     launch_dependents(USE_PDL)
 
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=-1).to(tl.int32)
+    lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
     if SPLIT_K > 1:  # the LoRA delta (and bias) once, in slice 0
-        lora = tl.where(pid_k == 0, lora, -1)
+        lora = tl.where(pid_k == 0, lora, _NO_ADAPTER)
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -483,3 +495,5 @@ def moe_w2_kernel(
                     y += tl.sum(part, axis=0)
             tl.store(y_ptr + tok.to(tl.int64) * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
+
+lora_gemm_kernel = moe_w2_kernel  # the same kernel: GEMM + LoRA expand (+ bias, routing weight) of any row block

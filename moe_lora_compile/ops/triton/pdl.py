@@ -18,11 +18,8 @@ Used only where it is safe:
   ``torch.compile``, so Inductor never re-launches these kernels without the flag); stream capture into a CUDA
   graph records the programmatic edges (CUDA >= 12.3).
 
-Switch: ``MOE_LORA_PDL`` = ``0`` (off), ``1`` / ``late`` (the default where supported: the next kernel may launch
-once this one's programs are past their main loop), ``early`` (the next kernel may launch as soon as all of this
-one's programs have started). A config's ``"pdl"`` key (false / true / "early" / "late"): in a config passed to
-the launcher it overrides the environment for one call (the benchmark's on/off ablation); in a tuned entry of the
-shipped JSON it is the default that ``MOE_LORA_PDL``, when set, overrides.
+What is requested (``MOE_LORA_PDL``, a config's ``"pdl"``, and which wins) is decided in one place,
+:func:`.configs.requested_pdl`; this module says whether the device can run it and builds the launch arguments.
 """
 
 from __future__ import annotations
@@ -34,8 +31,10 @@ from typing import Optional
 import torch
 
 from ... import settings
+from .configs import requested_pdl
+from .moe_kernels import PDL_EARLY, PDL_LATE, PDL_OFF
 
-ENV_VAR = settings.PDL.name  # declared, with its meaning, in moe_lora_compile.settings
+__all__ = ["PDL_EARLY", "PDL_LATE", "PDL_OFF", "LaunchChain", "pdl_supported", "supported_mode", "use_pdl"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,10 +50,6 @@ def triton_has_pdl() -> bool:
         return False
 
 
-def _interpreting() -> bool:
-    return settings.TRITON_INTERPRET.enabled()
-
-
 @functools.lru_cache(maxsize=None)
 def _device_supports_pdl(index: int) -> bool:
     if torch.version.hip is not None:
@@ -64,42 +59,22 @@ def _device_supports_pdl(index: int) -> bool:
 
 def pdl_supported(device: torch.device) -> bool:
     """PDL can be used for kernels on ``device``."""
-    if device.type != "cuda" or _interpreting() or not triton_has_pdl():
+    if device.type != "cuda" or settings.TRITON_INTERPRET.enabled() or not triton_has_pdl():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_supports_pdl(index)
 
 
-OFF, EARLY, LATE = 0, 1, 2  # the kernels' USE_PDL constexpr (see moe_kernels.grid_dependency_sync)
-_MODES = {"0": OFF, "false": OFF, "off": OFF, "no": OFF, "1": LATE, "true": LATE, "on": LATE, "yes": LATE,
-          "late": LATE, "early": EARLY}
-
-
-def _mode(value) -> int:
-    if isinstance(value, bool):
-        return LATE if value else OFF
-    key = str(value).strip().lower()
-    if key not in _MODES:
-        raise ValueError(f"PDL setting must be one of {sorted(_MODES)} (or a bool), got {value!r}")
-    return _MODES[key]
-
-
-def pdl_requested(config: Optional[dict] = None, *, env_first: bool = False) -> int:
-    """The requested mode (OFF / EARLY / LATE): the config's ``"pdl"`` if it has one, else ``MOE_LORA_PDL``
-    (default LATE). ``env_first`` (a tuned or heuristic config, not one the caller passed): ``MOE_LORA_PDL``,
-    when set, wins over the config's key, so the variable switches PDL off whatever the shipped tuning says."""
-    env = settings.PDL.raw()
-    if env_first and env is not None:
-        return _mode(env)
-    if config is not None and config.get("pdl") is not None:
-        return _mode(config["pdl"])
-    return _mode(env if env is not None else "late")
+def supported_mode(device: torch.device, mode: int) -> int:
+    """The mode to launch with on ``device``: ``mode`` where PDL is supported, else PDL_OFF."""
+    return mode if mode and pdl_supported(device) else PDL_OFF
 
 
 def use_pdl(device: torch.device, config: Optional[dict] = None, *, env_first: bool = False) -> int:
-    """The mode to launch with on ``device``: the requested one where supported, else OFF."""
-    mode = pdl_requested(config, env_first=env_first)
-    return mode if mode and pdl_supported(device) else OFF
+    """:func:`supported_mode` of what a dict config (``lora_linear``'s) asks for: its ``"pdl"`` key, by
+    :func:`.configs.requested_pdl`'s precedence (``env_first``: a config the launcher looked up itself)."""
+    setting = None if config is None else config.get("pdl")
+    return supported_mode(device, requested_pdl(setting, passed_by_caller=not env_first))
 
 
 class LaunchChain:

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_kernels import grid_dependency_sync
+from .moe_kernels import _NO_ADAPTER, _NO_PAIR, PDL_OFF, grid_dependency_sync
 from .pdl import LaunchChain
 
 CHUNK = 256  # pairs per program in the count/scatter kernels
@@ -26,7 +26,7 @@ CHUNK = 256  # pairs per program in the count/scatter kernels
 
 @dataclass(frozen=True)
 class Routing:
-    """Sorted-pair metadata. row_pair [grid_m*BLOCK_M] int32 (-1 = padding); block_expert [grid_m] int32;
+    """Sorted-pair metadata. row_pair [grid_m*BLOCK_M] int32 (NO_PAIR = padding); block_expert [grid_m] int32;
     num_blocks [1] int32 (blocks in use, on device); grid_m: worst-case block count (host int, from shapes)."""
 
     row_pair: torch.Tensor
@@ -44,13 +44,14 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 @triton.jit(do_not_specialize=["num_pairs", "num_rows"])
 def _count_kernel(topk_ids_ptr, token_lora_ptr, counts_ptr, row_pair_ptr, num_pairs, num_rows, top_k,
                   NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """counts[e*(L+1) + l+1] += 1 per pair; also fills row_pair with -1 (padding)."""
+    """counts[e*(L+1) + l+1] += 1 per pair (segment l+1 = 0: NO_ADAPTER = -1); also fills row_pair with NO_PAIR
+    (padding)."""
     grid_dependency_sync(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    tl.store(row_pair_ptr + offs, tl.full([CHUNK], -1, tl.int32), mask=offs < num_rows)
+    tl.store(row_pair_ptr + offs, tl.full([CHUNK], _NO_PAIR, tl.int32), mask=offs < num_rows)
     in_range = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
-    lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=-1).to(tl.int32)
+    lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=_NO_ADAPTER).to(tl.int32)
     tl.atomic_add(counts_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
 
 
@@ -88,17 +89,17 @@ def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, num_
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
-    lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=-1).to(tl.int32)
+    lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=_NO_ADAPTER).to(tl.int32)
     row = tl.atomic_add(cursor_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
     tl.store(row_pair_ptr + row, offs, mask=in_range)
 
 
 def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts: int, num_slots: int,
                block_m: int, chain: Optional[LaunchChain] = None) -> Routing:
-    """topk_ids [T, k] int, token_lora_ids [T] int (-1 = none) -> :class:`Routing` for ``num_slots`` adapters.
+    """topk_ids [T, k] int, token_lora_ids [T] int (NO_ADAPTER = none) -> :class:`Routing` for ``num_slots`` adapters.
 
     ``chain``: the PDL launch chain these kernels start (default: none, plain launches)."""
-    chain = chain if chain is not None else LaunchChain(0)
+    chain = chain if chain is not None else LaunchChain(PDL_OFF)
     T, top_k = topk_ids.shape
     num_pairs = T * top_k
     grid_m = max_blocks(num_pairs, num_experts, block_m)

@@ -1,9 +1,9 @@
 """Tune the fused MoE multi-LoRA kernels for one model on this GPU and write the configs JSON.
 
-    python -m moe_lora_compile.tune --model qwen3-30b-a3b --tokens 1 8 32 128 512 2048 --ranks 16 \
+    python -m moe_lora_compile tune --model qwen3-30b-a3b --tokens 1 8 32 128 512 2048 --ranks 16 \
         [--out moe_lora_compile/configs/NVIDIA_H200.json]
 
-Coordinate descent from the heuristic default (:func:`.ops.triton.configs.default_config`), or with
+Coordinate descent from the heuristic default (:func:`.configs.default_config`), or with
 ``--start shipped`` from the entry already in the file: routing mode and BLOCK_M, whether the w2 shrink is fused
 into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's split-K, then PDL (off / late /
 early); ``--groups`` limits the search to some of these coordinates (names in ``GROUPS``). Each candidate is timed
@@ -15,7 +15,6 @@ shape key, after every (T, R), so a run cut short keeps what it tuned.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import pathlib
 import sys
@@ -23,17 +22,20 @@ import time
 
 import torch
 
-from .shapes import MODELS, MoEGeometry
+from ...shapes import MODELS, MoEGeometry
+from ..layout import w13_shape, w2_shape
 
 try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main() says so in one line)
     import triton
 
-    from .ops.triton.configs import CONFIG_DIR, default_config, device_name, gpu_file_name, shape_key
-    from .ops.triton.launch import fused_moe_lora_triton
+    from .configs import (CONFIG_DIR, MoEKernelConfig, default_config, device_name, gpu_file_name, read_table,
+                          shape_key, write_table)
+    from .launch import fused_moe_lora_triton
 except ImportError as _error:
     triton = None
     _TRITON_ERROR = str(_error)
 
+PROG = "moe-lora-compile tune"
 GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stages": ((4, 3), (4, 4), (8, 3), (4, 2)),
                 "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
 SPLIT_K_CHOICES = (1, 4, 8, 16)
@@ -43,9 +45,7 @@ PDL_CHOICES = (False, "late", "early")
 def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
-    transposed = g.layout != "concat"
-    w13 = rnd(g.E, g.H, 2 * g.I) if transposed else rnd(g.E, 2 * g.I, g.H)
-    w2 = rnd(g.E, g.I, g.H) if transposed else rnd(g.E, g.H, g.I)
+    w13, w2 = rnd(*w13_shape(g.layout, g.E, g.H, g.I)), rnd(*w2_shape(g.layout, g.E, g.H, g.I))
     lora = (rnd(L, g.E, R, g.H), rnd(L, g.E, 2 * g.I, R), rnd(L, g.E, R, g.I), rnd(L, g.E, g.H, R))
     x = rnd(T, g.H) * 20
     weights, ids = torch.topk(torch.rand(T, g.E, device="cuda", generator=gen), g.k, dim=-1)
@@ -74,49 +74,43 @@ GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stage
           "shrink.SPLIT_K", "pdl")
 
 
-def _candidates(cfg: dict, T: int, g: MoEGeometry, group: str):
+def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
     """Variants of ``cfg`` along one coordinate ``group``."""
     if group == "mode":
         pairs = T * g.k
         if pairs <= 64:
-            yield dict(copy.deepcopy(cfg), per_pair=True, BLOCK_M=16)
+            yield cfg.replace(per_pair=True, BLOCK_M=16)
         for bm in (16, 32, 64, 128):
             if bm == 16 or pairs / g.E >= bm / 4:
-                yield dict(copy.deepcopy(cfg), per_pair=False, BLOCK_M=bm)
+                yield cfg.replace(per_pair=False, BLOCK_M=bm)
         return
     if group == "pdl":
         for value in PDL_CHOICES:
-            yield dict(copy.deepcopy(cfg), pdl=value)
+            yield cfg.replace(pdl=value)
         return
-    if group == "w2.SPLIT_K" and not cfg["per_pair"]:
+    if group == "w2.SPLIT_K" and not cfg.per_pair:
         return  # w2 split-K acts only on the per-pair path (inside the fused top-k sum)
     if group == "fuse_shrink2":
-        yield dict(copy.deepcopy(cfg), fuse_shrink2=not cfg.get("fuse_shrink2", cfg["per_pair"]))
+        yield cfg.replace(fuse_shrink2=not cfg.fuse_shrink2)
         return
     if group == "shrink.SPLIT_K":
         for split in SPLIT_K_CHOICES:
-            c = copy.deepcopy(cfg)
-            c["shrink"]["SPLIT_K"] = split
-            yield c
+            yield cfg.replace(**{"shrink.SPLIT_K": split})
         return
     kernel, key = group.split(".")
     for value in GEMM_CHOICES[key]:
-        c = copy.deepcopy(cfg)
         if key == "warps_stages":
-            c[kernel]["num_warps"], c[kernel]["num_stages"] = value
+            yield cfg.replace(**{f"{kernel}.num_warps": value[0], f"{kernel}.num_stages": value[1]})
         else:
-            c[kernel][key] = value
-        yield c
+            yield cfg.replace(**{group: value})
 
 
-def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: dict | None = None,
-             groups: tuple = GROUPS) -> tuple[dict, float, float]:
+def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig | None = None,
+             groups: tuple = GROUPS) -> tuple[MoEKernelConfig, float, float]:
     """-> (best config, its us, the starting config's us) for T tokens, rank R; ``start`` defaults to the
     heuristic config."""
     args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
-    best = copy.deepcopy(start) if start else default_config(g.E, g.H, g.I, R, T, g.k)
-    for kernel in ("w13", "w2"):  # explicit, so the equal SPLIT_K=1 candidate is skipped, not timed as "new"
-        best[kernel].setdefault("SPLIT_K", 1)
+    best = start or default_config(g.E, g.H, g.I, R, T, g.k)
     best_us = default_us = _time(args_sets, best)
     for group in groups:  # coordinate descent: each group varies the best config so far
         for cfg in _candidates(best, T, g, group):
@@ -134,7 +128,7 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: dict | None = No
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048])
     p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
@@ -146,18 +140,18 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
-        print(f"moe_lora_compile.tune: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not "
+        print(f"{PROG}: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not "
               f"available ({build})", file=sys.stderr)
         return 2
     if triton is None:
-        print(f"moe_lora_compile.tune: error: triton is not installed ({_TRITON_ERROR}); "
+        print(f"{PROG}: error: triton is not installed ({_TRITON_ERROR}); "
               "pip install 'triton>=3.6'", file=sys.stderr)
         return 2
     g = MODELS[a.model]
     device = torch.device("cuda")
     name = device_name(device)
     out = pathlib.Path(a.out) if a.out else CONFIG_DIR / gpu_file_name(name)
-    table = json.loads(out.read_text()) if out.exists() else {}
+    table = read_table(out)
     total = len(a.tokens) * len(a.ranks)
     step = 0
     for R in a.ranks:
@@ -171,9 +165,8 @@ def main(argv=None):
             entries[str(T)] = cfg
             print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us ({'shipped' if start else 'default'} "
                   f"{default_us:.1f} us) "
-                  f"in {time.time() - t0:.0f} s: {json.dumps(cfg)}", flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+                  f"in {time.time() - t0:.0f} s: {json.dumps(cfg.to_dict())}", flush=True)
+            write_table(out, table)
     print(f"wrote {out}")
     return 0
 

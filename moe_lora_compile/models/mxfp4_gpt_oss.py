@@ -1,0 +1,160 @@
+"""GPT-OSS with MXFP4 experts, built without the hub (format and transformers' own path: :mod:`..ops.mxfp4`).
+
+transformers runs MXFP4 experts only through hub kernels (``kernels-community/gpt-oss-triton-kernels``) and
+otherwise dequantizes them at load, so the quantized experts here are ours: :class:`GptOssMxfp4Experts` holds the
+checkpoint's tensors under the checkpoint's names (``gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]``,
+``gate_up_proj_scales`` uint8 ``[E, 2I, H/32]``, ``down_proj_blocks`` ``[E, H, I/32, 16]``, ``down_proj_scales``
+``[E, H, I/32]`` as buffers; ``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]`` as frozen parameters in the
+model dtype), so a real checkpoint's state dict loads into it as is, and its forward has transformers' experts
+signature (dequantize, then the reference).
+
+:func:`build_mxfp4_gpt_oss` makes a random stand-in for the checkpoint from a config: transformers'
+``GptOssForCausalLM`` with every ``mlp.experts`` swapped for a quantized one (weights through
+:func:`..ops.mxfp4.quantize_mxfp4`) and ``config.quantization_config`` set like the checkpoint's, so
+``save_pretrained`` writes an MXFP4 checkpoint that transformers' ``from_pretrained`` loads (dequantizing, without
+the ``kernels`` package).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT
+from ..ops.mxfp4 import BYTES_PER_GROUP, GROUP_SIZE, Mxfp4Weight, fused_moe_lora_mxfp4_reference, quantize_mxfp4
+
+# The openai/gpt-oss checkpoints' quantization_config (config.json): experts only.
+MXFP4_QUANTIZATION_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                               "lm_head"],
+}
+
+
+class GptOssMxfp4Experts(nn.Module):
+    """GPT-OSS routed experts in MXFP4; ``forward(hidden_states [T,H], top_k_index [T,k], top_k_weights [T,k])
+    -> [T,H]`` in hidden_states' dtype (experts dequantized to it, fp32 accumulation), like ``GptOssExperts``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device=None, alpha: float = GPTOSS_ALPHA,
+                 limit: float = GPTOSS_LIMIT):
+        super().__init__()
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if size % GROUP_SIZE:
+                raise ValueError(f"{name} ({size}) must be a multiple of {GROUP_SIZE} for MXFP4 experts")
+        E, H, I = num_experts, hidden_size, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        self.alpha, self.limit = float(alpha), float(limit)
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("gate_up_proj_blocks", torch.zeros(E, 2 * I, H // GROUP_SIZE, BYTES_PER_GROUP, **u8))
+        self.register_buffer("gate_up_proj_scales", torch.zeros(E, 2 * I, H // GROUP_SIZE, **u8))
+        self.register_buffer("down_proj_blocks", torch.zeros(E, H, I // GROUP_SIZE, BYTES_PER_GROUP, **u8))
+        self.register_buffer("down_proj_scales", torch.zeros(E, H, I // GROUP_SIZE, **u8))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I, dtype=dtype, device=device), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.zeros(E, H, dtype=dtype, device=device), requires_grad=False)
+
+    @classmethod
+    def from_experts(cls, experts: nn.Module) -> "GptOssMxfp4Experts":
+        """Quantize transformers' ``GptOssExperts`` (``gate_up_proj [E,H,2I]``, ``down_proj [E,I,H]``, biases)."""
+        E, H, two_i = experts.gate_up_proj.shape
+        bias = experts.gate_up_proj_bias
+        module = cls(E, H, two_i // 2, dtype=bias.dtype, device=bias.device,
+                     alpha=getattr(experts, "alpha", GPTOSS_ALPHA), limit=getattr(experts, "limit", GPTOSS_LIMIT))
+        module.load_weights(quantize_mxfp4(experts.gate_up_proj.detach()), quantize_mxfp4(experts.down_proj.detach()),
+                            bias.detach(), experts.down_proj_bias.detach())
+        return module
+
+    @torch.no_grad()
+    def load_weights(self, gate_up: Mxfp4Weight, down: Mxfp4Weight, gate_up_bias: Optional[Tensor] = None,
+                     down_bias: Optional[Tensor] = None) -> None:
+        """Copy MXFP4 weights (and biases) in; shapes must match the module's (ValueError otherwise)."""
+        for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
+            for part in ("blocks", "scales"):
+                dst, src = getattr(self, f"{name}_{part}"), getattr(w, part)
+                if src.shape != dst.shape:
+                    raise ValueError(f"{name}_{part}: expected {list(dst.shape)}, got {list(src.shape)}")
+                dst.copy_(src)
+        for dst, src in ((self.gate_up_proj_bias, gate_up_bias), (self.down_proj_bias, down_bias)):
+            if src is not None:
+                dst.copy_(src)
+
+    @property
+    def gate_up(self) -> Mxfp4Weight:
+        """w13: dequantizes to ``[E, H, 2I]``, gate/up interleaved."""
+        return Mxfp4Weight(self.gate_up_proj_blocks, self.gate_up_proj_scales)
+
+    @property
+    def down(self) -> Mxfp4Weight:
+        """w2: dequantizes to ``[E, I, H]``."""
+        return Mxfp4Weight(self.down_proj_blocks, self.down_proj_scales)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        T = hidden_states.shape[0]
+        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        like = dict(dtype=hidden_states.dtype, device=hidden_states.device)
+        # Base only: every token -1, so the (one-slot, rank-1) LoRA stacks are never used.
+        no_lora = torch.full((T,), -1, dtype=torch.int32, device=hidden_states.device)
+        a13, b13 = torch.zeros(1, E, 1, H, **like), torch.zeros(1, E, 2 * I, 1, **like)
+        a2, b2 = torch.zeros(1, E, 1, I, **like), torch.zeros(1, E, H, 1, **like)
+        return fused_moe_lora_mxfp4_reference(
+            hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), no_lora, self.gate_up, self.down,
+            a13, b13, a2, b2, w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias,
+            alpha=self.alpha, limit=self.limit)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+                f"intermediate_size={self.intermediate_size}, mxfp4")
+
+
+def quantize_gpt_oss_experts_(model: nn.Module) -> int:
+    """Swap every transformers ``GptOssExperts`` in ``model`` for :class:`GptOssMxfp4Experts` (in place; weights
+    quantized with :func:`..ops.mxfp4.quantize_mxfp4`) and set ``model.config.quantization_config`` like the
+    checkpoint's. Returns the number of experts modules swapped (ValueError if none)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    names = [name for name, module in model.named_modules() if isinstance(module, GptOssExperts)]
+    if not names:
+        raise ValueError("model: no GptOssExperts to quantize (expects transformers' GPT-OSS)")
+    for name in names:
+        experts = model.get_submodule(name)
+        model.set_submodule(name, GptOssMxfp4Experts.from_experts(experts))
+        del experts
+    model.config.quantization_config = dict(MXFP4_QUANTIZATION_CONFIG)
+    return len(names)
+
+
+def build_mxfp4_gpt_oss(config, *, dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0,
+                        bias_std: Optional[float] = None) -> nn.Module:
+    """A random ``GptOssForCausalLM`` of ``config`` whose experts hold MXFP4 blocks/scales; no network.
+
+    transformers' random init (``dtype`` on ``device``), then every experts module quantized; expert biases are
+    drawn from N(0, ``bias_std``) (default ``config.initializer_range``; transformers' init leaves them zero, the
+    checkpoint's are not). ``config.quantization_config`` may be absent or MXFP4-style (``quant_method`` "mxfp4",
+    e.g. ``Mxfp4Config().to_dict()``); hidden and intermediate sizes must be multiples of 32. Returns the model
+    in eval mode, parameters frozen."""
+    from transformers import AutoModelForCausalLM
+
+    if getattr(config, "model_type", None) != "gpt_oss":
+        raise ValueError(f"config: expected a GPT-OSS config (model_type 'gpt_oss'), got "
+                         f"{getattr(config, 'model_type', None)!r}")
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if quant is not None and str(getattr(method, "value", method)) != "mxfp4":
+        raise ValueError(f"config.quantization_config: expected quant_method 'mxfp4', got {method!r}")
+    for name in ("hidden_size", "intermediate_size"):
+        if getattr(config, name) % GROUP_SIZE:
+            raise ValueError(f"config.{name} ({getattr(config, name)}) must be a multiple of {GROUP_SIZE} for MXFP4")
+    torch.manual_seed(seed)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    std = config.initializer_range if bias_std is None else bias_std
+    quantize_gpt_oss_experts_(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, GptOssMxfp4Experts):
+                module.gate_up_proj_bias.normal_(0.0, std)
+                module.down_proj_bias.normal_(0.0, std)
+    return model.eval().requires_grad_(False)

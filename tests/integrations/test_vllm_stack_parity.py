@@ -1,0 +1,67 @@
+"""The plugin's conversion of vLLM's MoE LoRA stacks, checked against vLLM's own loader and against ours on the same
+adapter folders: after the engine runs of ``test_vllm_plugin.py`` (conftest.py), the child dumps, per MoE layer,
+vLLM's stacks as vLLM's loader filled them and the stacks the op reads. Skips without vLLM.
+
+- The op's stacks are vLLM's stacks converted: 3-D, the very tensors; 2-D, ``A13 = [A_gate; A_up]``, ``B13``
+  block-diagonal, w2 zero-padded to rank 2r; and vLLM's tensors live in the op stacks' storage (no copy per step).
+- Per adapter slot and expert, the deltas the op applies (``B13 @ A13``, ``B2 @ A2``, scaling included) equal those
+  of :meth:`MultiLoRAModel.parse_adapter` on the same folder (PEFT 3-D and per-expert 2-D layouts); free slots are
+  zero.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_harness import RUNS
+
+pytest.importorskip("vllm", reason="vLLM is not installed in this venv; see tests/integrations/conftest.py")
+
+
+def _converted(vllm_stacks):
+    """The op's stacks built here from vLLM's (independently of the plugin's in-place re-seating)."""
+    (a2,), (b2,) = vllm_stacks["w2_lora_a_stacked"], vllm_stacks["w2_lora_b_stacked"]
+    if len(vllm_stacks["w13_lora_a_stacked"]) == 1:
+        (a13,), (b13,) = vllm_stacks["w13_lora_a_stacked"], vllm_stacks["w13_lora_b_stacked"]
+        return a13, b13, a2, b2
+    (a_g, a_u), (b_g, b_u) = vllm_stacks["w13_lora_a_stacked"], vllm_stacks["w13_lora_b_stacked"]
+    L, E, I, r = b_g.shape
+    b13 = torch.zeros(L, E, 2 * I, 2 * r)
+    b13[:, :, :I, :r], b13[:, :, I:, r:] = b_g, b_u
+    zeros_a2, zeros_b2 = torch.zeros_like(a2), torch.zeros_like(b2)
+    return (torch.cat([a_g, a_u], dim=2), b13, torch.cat([a2, zeros_a2], dim=2), torch.cat([b2, zeros_b2], dim=3))
+
+
+@pytest.mark.parametrize("fmt", [
+    "mixed",  # vLLM's 2-D stacks (its loader split PEFT 3-D adapters into gate/up; C is per-expert on disk)
+    "3d",     # vLLM's 3-D stacks
+])
+def test_op_stacks_are_vllms_stacks_converted_and_match_our_loader(served, vllm_setup, fmt):
+    from transformers import AutoModelForCausalLM
+
+    import moe_lora_compile as mlc
+
+    _, result, dump = served(fmt)
+    data = torch.load(dump)
+    assert data["layers"], "no MoE LoRA layer dumped"
+    mm = mlc.attach(AutoModelForCausalLM.from_pretrained(vllm_setup["model"]), max_loras=2, max_rank=8)
+    ours = {name: mm.parse_adapter(vllm_setup["adapters"][name]["path"]) for name in RUNS[fmt]["adapters"]}
+    slot_of = {name: data["slots"].index(result["ids"][name]) for name in ours}
+    free = [slot for slot, lora_id in enumerate(data["slots"]) if lora_id is None]
+    assert free, "every slot holds an adapter (vLLM CPU's dense-LoRA bug needs one free, see vllm_harness.RUNS)"
+    for layer_name, layer in data["layers"].items():
+        assert layer["in_place"], f"{layer_name}: vLLM's stacks are not views of the op's"
+        op = layer["op"]
+        for got, want in zip(op, _converted(layer["vllm"])):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        a13, b13, a2, b2 = op
+        for name, weights in ours.items():
+            s, experts = slot_of[name], weights[layer_name]
+            torch.testing.assert_close(b13[s] @ a13[s], experts.b13 @ experts.a13, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{fmt} {layer_name} adapter {name} w13: {m}")
+            torch.testing.assert_close(b2[s] @ a2[s], experts.b2 @ experts.a2, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{fmt} {layer_name} adapter {name} w2: {m}")
+            assert (b13[s] @ a13[s]).abs().max() > 0.1  # a real delta, not zeros on both sides
+        for s in free:
+            assert all(not t[s].any() for t in op), f"{layer_name}: free slot {s} is not zero"

@@ -1,0 +1,267 @@
+"""The vLLM plugin's tensor side (:mod:`moe_lora_compile.integrations.vllm.stacks`) without vLLM: stacks shaped and
+written the way vLLM 0.32's ``FusedMoEWithLoRA`` (2-D) and ``FusedMoE3DWithLoRA`` (3-D) shape and write them, built
+here, run through :func:`experts_forward` and compared with a float64 reference computed from vLLM's own factors,
+and with the op called on freshly built stacks (parity). Runs on the CPU (the op's reference impl) and, marked gpu,
+on CUDA (the Triton kernels; the H200 image has no vLLM), there also under CUDA-graph replay.
+
+What only the vLLM venv exercises (``test_vllm_plugin.py``, ``test_vllm_stack_parity.py``): vLLM's own loader and
+``set_lora`` writing these stacks, its punica wrapper, and the modular kernel handing ``output`` to the experts.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_lora_compile.integrations.vllm.stacks import (adopt_or_copy, experts_forward, keep_unmapped_rows_unadapted,
+                                                       op_stacks, slot_ids)
+
+HAS_CUDA = torch.cuda.is_available()
+# (E, H, I, k, L, r): CPU tiny (2I != H); GPU a few hundred wide, several experts per token
+CPU_GEOMETRY = (4, 32, 24, 2, 3, 4)
+GPU_GEOMETRY = (16, 256, 128, 4, 4, 16)
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}  # vs float64
+PARITY_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}  # same op
+
+
+def _vllm_stacks(fmt, L, E, H, I, r, dtype, device):
+    """Zero stacks as vLLM allocates them: ``(w13_a, w13_b, w2_a, w2_b)`` tuples (2 w13 slices in 2-D)."""
+    z = dict(dtype=dtype, device=device)
+    n13 = 2 if fmt == "2d" else 1
+    w13_a = tuple(torch.zeros(L, E, r, H, **z) for _ in range(n13))
+    w13_b = tuple(torch.zeros(L, E, I if fmt == "2d" else 2 * I, r, **z) for _ in range(n13))
+    return w13_a, w13_b, (torch.zeros(L, E, r, I, **z),), (torch.zeros(L, E, H, r, **z),)
+
+
+def _set_lora(stacks, slot, rank, gen):
+    """What vLLM's ``set_lora`` does: zero the slot, then copy an adapter of ``rank`` into its first rows/columns
+    through vLLM's own tensor objects (views of the op's stacks once re-seated). Entries of B @ A come out about
+    H^-1/2, like the base weights'."""
+    _, _, max_rank, H = stacks[0][0].shape
+    scale = (H * max_rank) ** -0.25
+    for index, group in enumerate(stacks):  # A stacks (0, 2) hold the rank on dim 2, B stacks (1, 3) on dim 3
+        for t in group:
+            t[slot] = 0
+            part = t[slot, :, :rank] if index in (0, 2) else t[slot, :, :, :rank]
+            part.copy_(torch.randn(part.shape, generator=gen).to(t) * scale)
+
+
+def _deltas(stacks):
+    """Dense per-slot deltas from vLLM's factors, float64: dW13 ``[L,E,2I,H]``, dW2 ``[L,E,H,I]``."""
+    w13_a, w13_b, (a2,), (b2,) = [[t.double() for t in g] for g in stacks]
+    d13 = torch.cat([b @ a for a, b in zip(w13_a, w13_b)], dim=2)
+    return d13, b2 @ a2
+
+
+def _reference(x, w13, w2, topk_weights, topk_ids, ids, d13, d2):
+    """float64 MoE layer, each token's delta from its own slot (-1 = none), gate rows first, SiLU."""
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    has = (ids >= 0).double()[:, None, None, None]
+    slot = ids.clamp(min=0).long()[:, None].expand_as(topk_ids).long()
+    e = topk_ids.long()
+    W13 = w13[e] + has * d13[slot, e]            # [T, k, 2I, H]
+    W2 = w2[e] + has * d2[slot, e]               # [T, k, H, I]
+    h = torch.einsum("tkoh,th->tko", W13, x)
+    gate, up = h.chunk(2, dim=-1)
+    out = torch.einsum("tkhi,tki->tkh", W2, F.silu(gate) * up)
+    return (topk_weights.double()[..., None] * out).sum(1)
+
+
+def _problem(fmt, device, dtype, T, geometry, seed=0):
+    E, H, I, k, L, r = geometry
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape, s=1.0: (torch.randn(shape, generator=gen) * s).to(device=device, dtype=dtype)  # noqa: E731
+    x = rand(T, H)
+    w13, w2 = rand(E, 2 * I, H, s=H ** -0.5), rand(E, H, I, s=I ** -0.5)
+    topk_ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(device, torch.int32)
+    topk_weights = torch.rand(T, k, generator=gen).softmax(-1).to(device)
+    ids = torch.tensor([(t + 1) % (L + 1) - 1 for t in range(T)], device=device)  # 0, .., L-1 (free), -1, 0, ..
+    stacks = _vllm_stacks(fmt, L, E, H, I, r, dtype, device)
+    return x, w13, w2, topk_weights, topk_ids, ids, stacks, gen
+
+
+class _CountingOp:
+    def __init__(self):
+        self.calls, self.results = 0, []
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        y = torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)
+        self.results.append(y)
+        return y
+
+
+def _check_forward(fmt, device, dtype, T, geometry):
+    x, w13, w2, topk_weights, topk_ids, ids, stacks, gen = _problem(fmt, device, dtype, T, geometry)
+    r = geometry[5]
+    _set_lora(stacks, 0, r, gen)             # before re-seating: its values must be carried over
+    packed = op_stacks(*stacks)
+    _set_lora(stacks, 1, r // 2, gen)        # after: a lower-rank adapter written through vLLM's tensors
+    _set_lora(stacks, 0, r, gen)             # and a hot swap of slot 0; slot L-1 stays free (zeros)
+    op = _CountingOp()
+    output = torch.empty(T, geometry[1], dtype=dtype, device=device)
+    assert experts_forward(output, x, w13, w2, topk_weights, topk_ids, ids, packed, op=op) is output
+    assert op.calls == 1
+    assert output.data_ptr() == op.results[0].data_ptr()  # the op's result became the output: no copy
+    want = _reference(x, w13, w2, topk_weights, topk_ids, ids, *_deltas(stacks))
+    torch.testing.assert_close(output.double(), want, **TOL[dtype])
+    fresh = [t.clone() for t in packed]  # parity: the op on stacks that were never views of anything
+    again = torch.ops.moe_lora.fused_moe_lora(x, topk_ids, topk_weights, ids, w13, w2, *fresh)
+    torch.testing.assert_close(output, again, **PARITY_TOL[dtype])
+    base = _reference(x, w13, w2, topk_weights, topk_ids, torch.full_like(ids, -1), *_deltas(stacks))
+    assert (want - base).abs().max() > 10 * TOL[dtype]["atol"]  # the adapters matter at this tolerance
+
+
+@pytest.mark.parametrize("fmt", [
+    "2d",  # FusedMoEWithLoRA: gate/up stacks apart, re-seated as rank-2r views
+    "3d",  # FusedMoE3DWithLoRA: read as they are
+])
+@pytest.mark.parametrize("T", [
+    1,  # one decode token (a base row: slot -1)
+    9,  # every slot and base rows mixed
+])
+def test_experts_forward_cpu_matches_reference_from_vllms_factors(fmt, T):
+    _check_forward(fmt, "cpu", torch.float32, T, CPU_GEOMETRY)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["2d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [
+    1,    # decode, batch 1
+    8,    # small decode batch
+    200,  # prefill-sized (sorted path)
+])
+def test_experts_forward_cuda_matches_reference_from_vllms_factors(fmt, dtype, T):
+    _check_forward(fmt, "cuda", dtype, T, GPU_GEOMETRY)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["2d", "3d"])
+def test_cuda_graph_replay_reads_vllms_current_stacks_and_slot_buffer(fmt):
+    """Captured once; then an adapter is written through vLLM's tensors and the slot buffer and input change in
+    place: the replay (no Python) must see all of it."""
+    T, dtype = 8, torch.bfloat16
+    E, H, I, k, L, r = GPU_GEOMETRY
+    x, w13, w2, topk_weights, topk_ids, ids, stacks, gen = _problem(fmt, "cuda", dtype, T, GPU_GEOMETRY)
+    _set_lora(stacks, 0, r, gen)
+    packed = op_stacks(*stacks)
+    slot_buffer = torch.full((64,), -1, dtype=torch.int64, device="cuda")  # vLLM's persistent per-token buffer
+    slot_buffer[:T] = ids
+
+    def step():
+        out = torch.empty(T, H, dtype=dtype, device="cuda")
+        return experts_forward(out, x, w13, w2, topk_weights, topk_ids, slot_ids(slot_buffer, T), packed)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    _set_lora(stacks, 1, r // 2, gen)                         # load an adapter into slot 1
+    _set_lora(stacks, 0, r, gen)                              # hot-swap slot 0
+    new_ids = torch.tensor([1, 0, -1, 1, 2, 0, 1, -1], device="cuda")
+    slot_buffer[:T] = new_ids
+    x.copy_(torch.randn(x.shape, generator=gen).to(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = _reference(x, w13, w2, topk_weights, topk_ids, new_ids, *_deltas(stacks))
+    torch.testing.assert_close(output.double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("shapes, why", [
+    # (w13_a, w13_b, w2_a, w2_b) shapes as tuples per slice; L=2, E=3, r=4, H=8, I=5
+    ((((2, 3, 4, 8),), ((2, 3, 5, 4),), ((2, 3, 4, 5),), ((2, 3, 8, 4),)), "non-gated: one w13 slice of I rows"),
+    ((((2, 1, 4, 8),) * 2, ((2, 3, 5, 4),) * 2, ((2, 3, 4, 5),), ((2, 1, 8, 4),)), "A shared across experts"),
+    ((((2, 3, 2, 8),) * 2, ((2, 3, 5, 4),) * 2, ((2, 3, 4, 5),), ((2, 3, 8, 4),)), "A sharded on the rank"),
+    ((((2, 3, 4, 8),) * 3, ((2, 3, 5, 4),) * 3, ((2, 3, 4, 5),), ((2, 3, 8, 4),)), "three w13 slices"),
+    ((((2, 3, 4, 8),), ((2, 3, 10, 4),), ((2, 3, 4, 5),), ((2, 3, 7, 4),)), "w2 B of another hidden size"),
+])
+def test_op_stacks_none_for_layouts_the_op_does_not_read(shapes, why):
+    stacks = [tuple(torch.zeros(s) for s in group) for group in shapes]
+    assert op_stacks(*stacks) is None, why
+
+
+def test_op_stacks_reseats_2d_once_and_frees_vllms_buffers():
+    L, E, H, I, r = 2, 3, 8, 5, 4
+    stacks = _vllm_stacks("2d", L, E, H, I, r, torch.float32, "cpu")
+    kept_views = [t[0][1] for group in stacks for t in group]  # vLLM keeps such views (lora_a_stacked) for shapes
+    kept_shapes = [v.shape for v in kept_views]
+    packed = op_stacks(*stacks)
+    assert [tuple(t.shape) for t in packed] == [(L, E, 2 * r, H), (L, E, 2 * I, 2 * r), (L, E, 2 * r, I),
+                                                (L, E, H, 2 * r)]
+    assert op_stacks(*stacks) is packed  # set_lora_context again: same stacks, nothing re-seated
+    storages = {t.untyped_storage().data_ptr() for t in packed}
+    assert all(t.untyped_storage().data_ptr() in storages for group in stacks for t in group)
+    assert all(v.untyped_storage().nbytes() == 0 for v in kept_views)  # vLLM's old buffers are freed
+    assert [v.shape for v in kept_views] == kept_shapes                 # and their views keep their shapes
+    stacks[0][1][1, 2, 3, 4] = 7.0  # vLLM writes up's A: lands in A13's rows r..2r
+    assert packed.lora_a13[1, 2, r + 3, 4] == 7.0
+    stacks[1][0][1] = 0             # vLLM's reset_lora of one slice
+    assert not packed.lora_b13[1, :, :I, :r].any()
+
+
+def test_op_stacks_3d_are_vllms_tensors():
+    stacks = _vllm_stacks("3d", 2, 3, 8, 5, 4, torch.float32, "cpu")
+    packed = op_stacks(*stacks)
+    assert all(p is t for p, (t,) in zip(packed, stacks))
+
+
+@pytest.mark.parametrize("length, T", [
+    (16, 5),  # vLLM's buffer longer than the batch: a view, later writes seen
+    (3, 5),   # shorter (no persistent buffer): the extra rows get -1
+])
+def test_slot_ids(length, T):
+    buffer = torch.arange(length, dtype=torch.int64)
+    ids = slot_ids(buffer, T)
+    assert ids.tolist() == [i if i < length else -1 for i in range(T)]
+    buffer[0] = 42
+    assert (ids[0] == 42) == (length >= T)
+
+
+def test_keep_unmapped_rows_unadapted():
+    calls = []
+    wrapper = SimpleNamespace(_token_lora_indices=torch.full((8,), 5), indices_len=[None] * 4)
+
+    def update_metadata(n):  # vLLM 0.32: writes the first n rows and records n
+        wrapper._token_lora_indices[:n] = 1
+        wrapper.indices_len[0] = n
+        calls.append(n)
+
+    wrapper.update_metadata = update_metadata
+    keep_unmapped_rows_unadapted(wrapper)
+    assert wrapper._token_lora_indices.tolist() == [-1] * 8  # before any mapping: no adapter anywhere
+    wrapper.update_metadata(6)
+    wrapper.update_metadata(3)  # a smaller step: rows 3.. must not keep the previous step's slot
+    assert wrapper._token_lora_indices.tolist() == [1, 1, 1] + [-1] * 5 and calls == [6, 3]
+    keep_unmapped_rows_unadapted(wrapper)  # idempotent: not wrapped twice
+    wrapper.update_metadata(2)
+    assert calls == [6, 3, 2]
+
+
+@pytest.mark.parametrize("case", [
+    "fresh",      # the modular kernel's own empty_like: adopted
+    "view",       # a view into a workspace: copied
+    "dtype",      # a result of another dtype: copied (cast)
+])
+def test_adopt_or_copy(case):
+    y = torch.randn(4, 6)
+    if case == "fresh":
+        output = torch.empty(4, 6)
+    elif case == "view":
+        workspace = torch.zeros(40)
+        output = workspace[8:32].view(4, 6)
+    else:
+        output = torch.empty(4, 6, dtype=torch.float64)
+    adopted = adopt_or_copy(output, y)
+    assert adopted == (case == "fresh")
+    torch.testing.assert_close(output, y.to(output.dtype))
+    if case == "view":
+        torch.testing.assert_close(workspace[8:32], y.flatten())
