@@ -300,7 +300,7 @@ def parser(prog=None) -> argparse.ArgumentParser:
     return p
 
 
-TINY = dict(requests=4, prompt=16, new=6, max_rows=4, slots=4, prefill_chunk=32, no_compile=True, rank=4,
+TINY = dict(requests=3, prompt=16, new=5, max_rows=4, slots=4, prefill_chunk=32, no_compile=True, rank=4,
             paged=16, distinct=4, resident=4)
 
 
