@@ -21,14 +21,17 @@ position ``max_cache_len``, a scratch slot past the end that no real token reads
 
 The masks are passed to the model ready-made (4-D, or a ``{layer type: mask}`` dict for models that mix full and
 sliding-window layers, e.g. GPT-OSS), so transformers' own mask construction, which assumes one query position for
-the whole batch, is skipped. Attention implementations: ``eager`` (additive masks) and ``sdpa`` (boolean masks).
+the whole batch, is skipped. Attention implementations: ``eager`` and the folded-GQA eager attention (additive
+masks) and ``sdpa`` (boolean masks).
 Llama-4 is refused: its chunked attention and its attention-temperature scaling use one row's positions for all.
 
 ``capture=False`` (the default without CUDA) runs the same static-buffer steps eagerly (the CPU tests).
-``compile=True`` compiles the step once per bucket (static shapes) and the prefill once with a dynamic length,
-exactly as :class:`~moe_lora_compile.graphs.DecodeGraphs` does; :meth:`~RowGraphs.capture` compiles every bucket and
-warms the prefill at lengths 1 and 2 (a length-1 prefill gets its own specialised graph), so serving compiles
-nothing.
+``compile=True`` compiles the step once per bucket (static shapes) and, unless ``compile_prefill=False``, the
+prefill once with a dynamic length, as :class:`~moe_lora_compile.graphs.DecodeGraphs` does; :meth:`~RowGraphs.capture`
+compiles every bucket and warms the prefill at lengths 1 and 2 (a length-1 prefill gets its own specialised graph),
+so serving compiles nothing. ``fold_gqa=True`` (default) runs eager attention with the grouped query heads folded
+into the matmuls (:mod:`moe_lora_compile.models.attention`), which matters more here than in short batches: every
+step attends over all ``max_cache_len + 1`` slots of each row.
 """
 
 from __future__ import annotations
@@ -71,8 +74,10 @@ def mask_spec(config, num_slots: int, dtype: torch.dtype) -> MaskSpec:
     if model_type.startswith("llama4"):
         raise ValueError("model: Llama-4 is not supported by per-row decoding (its chunked attention and attention "
                          "temperature use one query position for the whole batch); use DecodeGraphs")
+    from ..models.attention import FOLDED_GQA
+
     attn = getattr(config, "_attn_implementation", None) or "eager"
-    if attn not in ("eager", "sdpa"):
+    if attn not in ("eager", FOLDED_GQA, "sdpa"):
         raise ValueError(f"model: attention implementation {attn!r} is not supported by per-row decoding (it takes "
                          f"ready-made 4-D masks): load the model with attn_implementation='eager' or 'sdpa'")
     window = getattr(config, "sliding_window", None) or None
@@ -88,7 +93,7 @@ def mask_spec(config, num_slots: int, dtype: torch.dtype) -> MaskSpec:
     if "sliding_attention" in distinct and not window:
         raise ValueError("model: sliding-attention layers without a sliding_window size in the config")
     windows = tuple(window if t == "sliding_attention" else None for t in distinct)
-    return MaskSpec(distinct, windows, num_slots, attn == "eager", dtype)
+    return MaskSpec(distinct, windows, num_slots, attn != "sdpa", dtype)
 
 
 def attention_masks(position_ids: Tensor, spec: MaskSpec):
@@ -208,7 +213,9 @@ class RowGraphs:
 
     ``batch_sizes``: the buckets (default: powers of two up to ``max_rows``, and ``max_rows``); ``prefill_chunk``:
     the most prompt tokens one :meth:`prefill` call takes (also bounded by ``mm.token_lora_ids``); ``capture``,
-    ``compile``, ``pad_token_id``, ``warmup``, ``log``: as in :class:`~moe_lora_compile.graphs.DecodeGraphs`.
+    ``compile``, ``compile_prefill``, ``fold_gqa``, ``pad_token_id``, ``warmup``, ``log``: as in
+    :class:`~moe_lora_compile.graphs.DecodeGraphs` (``fold_gqa``: eager attention without ``repeat_kv`` copies of
+    the cache; it switches ``mm.model``'s attention implementation for good).
 
     Low-level use (what :class:`~moe_lora_compile.serving.ServingEngine` does)::
 
@@ -220,9 +227,11 @@ class RowGraphs:
 
     def __init__(self, mm, *, max_rows: int = 8, max_cache_len: int = 1024,
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
-                 capture: Optional[bool] = None, compile=False, pad_token_id: Optional[int] = None,
-                 warmup: int = 2, log: Optional[Callable[[str], None]] = print):
+                 capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
+                 fold_gqa: bool = True, pad_token_id: Optional[int] = None, warmup: int = 2,
+                 log: Optional[Callable[[str], None]] = print):
         from ..models.attach import MultiLoRAModel
+        from ..models.attention import use_folded_gqa_attention
 
         if not isinstance(mm, MultiLoRAModel):
             raise TypeError(f"mm must be a MultiLoRAModel (from moe_lora_compile.attach), got {type(mm).__name__}")
@@ -249,12 +258,17 @@ class RowGraphs:
                              f"capture=False runs the same steps eagerly")
         config = mm.model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        mask_spec(text_config, max_cache_len + 1, self.dtype)  # refuse what per-row masks cannot express first
+        if fold_gqa:
+            use_folded_gqa_attention(mm.model)
         self.spec = mask_spec(text_config, max_cache_len + 1, self.dtype)
         options = compile_options(compile)
         self.compiled = options is not None
+        self.compiled_prefill = self.compiled and bool(compile_prefill)
         if self.compiled:
             self._step_fn = torch.compile(_row_step_forward, dynamic=False, **options)
-            self._prefill_fn = torch.compile(_row_prefill_forward, dynamic=True, **options)
+            self._prefill_fn = (torch.compile(_row_prefill_forward, dynamic=True, **options) if compile_prefill
+                                else _row_prefill_forward)
         else:
             self._step_fn, self._prefill_fn = _row_step_forward, _row_prefill_forward
 
@@ -411,7 +425,7 @@ class RowGraphs:
         rows and row 0's first slots."""
         self._allocate_cache()
         total = time.perf_counter()
-        if self.compiled:
+        if self.compiled_prefill:
             for n in (1, 2):  # a length-1 chunk is specialised by Dynamo; 2 makes the dynamic graph
                 self.prefill(0, torch.full((n,), self.pad_token_id, dtype=torch.long))
         for row in range(self.max_rows):

@@ -140,7 +140,8 @@ class ServingEngine:
     ``store``: the :class:`AdapterStore` that adapter names resolve through (names loaded into ``mm`` directly work
     too, without paging); ``max_rows``: requests decoding at once; ``max_cache_len``: prompt + new tokens per request
     (a request needs ``len(prompt) + max_new_tokens - 1`` slots); ``batch_sizes``, ``prefill_chunk``, ``capture``,
-    ``compile``, ``log``: as in :class:`RowGraphs` (its graphs are captured here); ``schedule``: ``"mixed"`` (any
+    ``compile``, ``compile_prefill``, ``fold_gqa``, ``log``: as in :class:`RowGraphs` (its graphs are captured
+    here); ``schedule``: ``"mixed"`` (any
     adapters side by side) or ``"grouped"`` (one adapter at a time: requests of the adapter of the oldest waiting
     request, until none of them is live; the baseline of a one-adapter server such as plain PEFT);
     ``max_bypass``: see the module docstring (default ``max_rows``).
@@ -151,8 +152,9 @@ class ServingEngine:
 
     def __init__(self, mm, store: Optional[AdapterStore] = None, *, max_rows: int = 8, max_cache_len: int = 1024,
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
-                 capture: Optional[bool] = None, compile=False, schedule: str = "mixed",
-                 max_bypass: Optional[int] = None, log: Optional[Callable[[str], None]] = print):
+                 capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
+                 fold_gqa: bool = True, schedule: str = "mixed", max_bypass: Optional[int] = None,
+                 log: Optional[Callable[[str], None]] = print):
         if store is not None and store.mm is not mm:
             raise ValueError("store: the AdapterStore serves another model (store.mm is not mm)")
         max_bypass = max_rows if max_bypass is None else max_bypass
@@ -161,7 +163,8 @@ class ServingEngine:
         self.mm, self.store, self.max_bypass = mm, store, max_bypass
         self.schedule = schedule
         self.graphs = RowGraphs(mm, max_rows=max_rows, max_cache_len=max_cache_len, batch_sizes=batch_sizes,
-                                prefill_chunk=prefill_chunk, capture=capture, compile=compile, log=log).capture()
+                                prefill_chunk=prefill_chunk, capture=capture, compile=compile,
+                                compile_prefill=compile_prefill, fold_gqa=fold_gqa, log=log).capture()
         self.device = self.graphs.device
         self.vocab_size = mm.model.get_output_embeddings().weight.shape[0]
         eos = mm.model.generation_config.eos_token_id
