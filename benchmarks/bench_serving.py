@@ -171,7 +171,7 @@ def build(args, device, dtype):
     t0 = time.perf_counter()
     engine = ServingEngine(mm, store, max_rows=args.max_rows, max_cache_len=max_cache, batch_sizes=buckets,
                            prefill_chunk=args.prefill_chunk, compile=not args.no_compile,
-                           compile_prefill=args.compile_prefill, log=log)
+                           compile_prefill=not args.eager_prefill, log=log)
     log(f"engine ready ({'compiled, ' if not args.no_compile else ''}buckets {list(engine.graphs.batch_sizes)}, "
         f"{args.max_rows} rows x {max_cache} slots) in {time.perf_counter() - t0:.1f} s")
     return mm, store, engine, vocab, names
@@ -294,8 +294,9 @@ def parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--buckets", type=int, nargs="+", help="decode buckets (default: powers of two up to max-rows)")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens prefilled per engine step")
     p.add_argument("--no-compile", action="store_true", help="run the decode steps eagerly (captured on CUDA)")
-    p.add_argument("--compile-prefill", action="store_true",
-                   help="compile the prefill too (dynamic length; ~2 min more for a 20B model; default: eager)")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="compile_prefill=False: no prefill compile (~2 min less for a 20B model; TTFT then is the "
+                        "eager prefill's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     p.add_argument("--md")
