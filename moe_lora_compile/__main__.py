@@ -1,4 +1,4 @@
-"""``python -m moe_lora_compile {demo,dump,tune}`` (also the ``moe-lora-compile`` console script).
+"""``python -m moe_lora_compile {demo,dump,tune,serve-bench}`` (also the ``moe-lora-compile`` console script).
 
 - ``demo``: a tiny random MoE model (``--family``, Qwen3-MoE by default), three LoRA adapters made and saved with
   PEFT's own API, compiled with the moe_lora pass, one mixed-adapter batch checked against the eager reference, and
@@ -6,6 +6,8 @@
   kernels; on the CPU their reference impls.
 - ``dump``: the same model compiled under ``depyf.prepare_debug(folder)``; prints where the fused ops are.
 - ``tune``: the kernel tuner on a CUDA GPU, :mod:`moe_lora_compile.ops.triton.tune` (its own arguments and ``--help``).
+- ``serve-bench``: ``benchmarks/bench_serving.py`` (the serving benchmark) with the options that follow; its tiny
+  mode when there is no CUDA device.
 
 Arguments are parsed before torch is imported (``--help`` answers at once); the reports go to stdout, progress
 lines for the slow steps to stderr (when it is a terminal, or with ``--verbose``); a bad argument or a missing CUDA
@@ -208,7 +210,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="moe-lora-compile", description=DESCRIPTION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,dump,tune}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,dump,tune,serve-bench}")
     for name, help_text in (("demo", "compile a tiny MoE model with three PEFT adapters and check it"),
                             ("dump", "write a depyf dump of the compiled demo model")):
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -227,7 +229,36 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("folder", help="where depyf writes the dump (only files written by this run count)")
     sub.add_parser("tune", add_help=False,  # main() hands its arguments to moe_lora_compile.ops.triton.tune
                    help="tune the Triton kernels' configs for a model on this GPU (`tune --help`)")
+    sub.add_parser("serve-bench", add_help=False, help=SERVE_BENCH_HELP)  # its options: see run_serve_bench
     return parser
+
+
+SERVE_BENCH_HELP = ("the serving benchmark (benchmarks/bench_serving.py: Poisson arrivals, no LoRA / 8 resident / 64 "
+                    "paged / one adapter at a time); on a CPU its tiny mode; options after serve-bench go to it")
+
+
+def run_serve_bench(argv: Sequence[str]) -> int:
+    """``serve-bench [options]``: run ``benchmarks/bench_serving.py`` of this source checkout with ``argv`` (plus
+    ``--tiny`` when there is no CUDA device); 2 with one line on stderr when the checkout has no such file."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                        "bench_serving.py")
+    if not os.path.isfile(path):
+        print(f"moe-lora-compile serve-bench: error: {path} not found (serve-bench runs the benchmark of a source "
+              f"checkout)", file=sys.stderr)
+        return 2
+    argv = list(argv)
+    if "--help" not in argv and "-h" not in argv and "--tiny" not in argv:
+        import torch
+
+        if not torch.cuda.is_available():
+            progress.say("no CUDA device: serve-bench runs the tiny model on the CPU (--tiny)")
+            argv.insert(0, "--tiny")
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv, prog="moe-lora-compile serve-bench")
 
 
 def _device_error(device: Optional[str]) -> Optional[str]:
@@ -250,6 +281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .ops.triton.tune import main as tune
 
         return tune(argv[1:])
+    if argv[:1] == ["serve-bench"]:  # its options belong to the benchmark's own parser
+        return run_serve_bench(argv[1:])
     args = _parser().parse_args(argv)  # before torch loads: --help and bad arguments answer at once
     if args.verbose:
         os.environ["MOE_LORA_PROGRESS"] = "1"

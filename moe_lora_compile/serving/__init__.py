@@ -1,5 +1,8 @@
-"""Serving on top of :class:`~moe_lora_compile.models.MultiLoRAModel`: the paged adapter store."""
+"""Serving on top of :class:`~moe_lora_compile.models.MultiLoRAModel`: the paged adapter store and the continuous-
+batching engine with its request API."""
 
-from .store import AdapterStore, StoreCounters
+from .engine import FINISH_REASONS, Request, RequestHandle, ServingEngine
+from .store import AdapterStore, NoFreeSlot, StoreCounters
 
-__all__ = ["AdapterStore", "StoreCounters"]
+__all__ = ["AdapterStore", "FINISH_REASONS", "NoFreeSlot", "Request", "RequestHandle", "ServingEngine",
+           "StoreCounters"]

@@ -1,7 +1,8 @@
 """``AdapterStore``: any number of named adapters over the fixed GPU slots of one :class:`MultiLoRAModel`, paged.
 
 Register adapters by name (a PEFT folder, read and validated on first use or at once with ``preload=True``; or
-already-parsed factors, validated at once). Each is parsed and validated once and kept as one host copy in the slot
+already-parsed factors, validated at once; :meth:`MultiLoRAModel.parse_adapter`'s result, already pinned, is kept as
+is, so several names can share one host copy). Each is parsed and validated once and kept as one host copy in the slot
 dtype (pinned when the model is on CUDA). The model's ``max_loras`` slots are a cache: :meth:`AdapterStore.acquire`
 returns the slots of a request's adapters, loading the ones not in a slot from their host copy and evicting the
 least recently used resident adapter that no in-flight request holds; the adapters stay pinned in their slots until
@@ -45,6 +46,10 @@ import torch
 from ..adapters.slots import AdapterWeights
 from ..ops.contract import NO_ADAPTER
 
+
+
+class NoFreeSlot(RuntimeError):
+    """:meth:`AdapterStore.acquire` found no slot: every slot holds an adapter that in-flight requests use."""
 
 
 @dataclasses.dataclass
@@ -171,9 +176,10 @@ class AdapterStore:
         slot and evicting least-recently-used adapters that no in-flight request holds. The adapters stay in their
         slots until :meth:`release` with the same ``names``.
 
-        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load; RuntimeError
-        when the adapters not in a slot do not fit in the slots that are free or held by no request. On any error
-        nothing changes (slots, residency, LRU order, in-use counts, counters)."""
+        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load;
+        :class:`NoFreeSlot` (a RuntimeError) when the adapters not in a slot do not fit in the slots that are free
+        or held by no request. On any error nothing changes (slots, residency, LRU order, in-use counts,
+        counters)."""
         wanted = _distinct(names)
         with self._lock:
             self._check_known(wanted)
@@ -188,7 +194,7 @@ class AdapterStore:
             free = self._free_slots()
             evictable = [n for n in self._lru if not self._in_use.get(n) and n not in wanted]
             if len(missing) > len(free) + len(evictable):
-                raise RuntimeError(self._full_message(wanted, missing, free))
+                raise NoFreeSlot(self._full_message(wanted, missing, free))
             plan = []
             for n in missing:
                 if free:
@@ -272,7 +278,9 @@ class AdapterStore:
         return [s for s in range(self.mm.max_loras) if s not in used]
 
     def _host_copy(self, weights: AdapterWeights) -> AdapterWeights:
-        return weights.pinned() if self.pin_memory else weights
+        """``weights`` in pinned memory when the store pins (already pinned weights are kept, not copied: names
+        registered with one pinned :class:`AdapterWeights` share its memory)."""
+        return weights.pinned() if self.pin_memory and not _all_pinned(weights) else weights
 
     def _parse(self, entry: _Entry) -> tuple[AdapterWeights, float]:
         start = time.perf_counter()
@@ -310,6 +318,10 @@ class AdapterStore:
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
             torch.cuda.current_stream(self.device).wait_event(ready)  # the caller's next work sees the new slot
+
+
+def _all_pinned(weights: AdapterWeights) -> bool:
+    return all(t.is_pinned() for lora in weights.values() for t in vars(lora).values() if t is not None)
 
 
 def _distinct(names: Sequence[Optional[str]]) -> list[str]:

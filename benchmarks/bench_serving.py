@@ -1,0 +1,336 @@
+"""Serving benchmark (a script, not a test): continuous batching with per-request adapters under Poisson arrivals.
+
+One :class:`~moe_lora_compile.serving.ServingEngine` (compiled, CUDA graphs on a GPU) serves the same request
+stream (prompt and output lengths drawn around ``--prompt`` / ``--new``, +-``--jitter``) at three arrival rates (low,
+near saturation, overload) in four configurations, in one run:
+
+- ``no_lora``: every request on the base model (``adapter=None``): the ceiling;
+- ``lora8``: adapters drawn uniformly from 8, all resident (8 slots, loaded before the run);
+- ``lora64``: adapters drawn uniformly from 64 names over the same 8 slots (paged through the
+  :class:`~moe_lora_compile.serving.AdapterStore`; 64 names over the 8 adapters' factors, each name a full copy
+  into its slot when loaded, so host memory holds 8 copies);
+- ``grouped8``: ``lora8``'s requests served one adapter at a time (``schedule="grouped"``: what a one-adapter server,
+  e.g. plain PEFT, does).
+
+Rates: ``--rates`` in requests/s, or ``--load-factors`` times the saturation rate estimated at the start (one
+prefill of a mean prompt and a few decode steps of a full batch: ``1 / (t_prefill + new * t_step / max_rows)``).
+Per run: output tokens/s (all new tokens / time from the first arrival to the last token), TTFT p50/p99 (first token
+- arrival), inter-token latency p50/p99 (gaps between a request's tokens), end-to-end latency p50, mean decode
+batch, adapter loads and evictions. Adapters: rank ``--rank`` PEFT adapters on q/k/v/o and the experts
+(``bench_decode.make_adapters``), the model from ``moe_lora_compile.shapes.DECODE_MODELS`` with random bf16 weights
+(``bench_decode.build_model``). Writes ``--json``, ``--md`` (table + ratios against the targets), ``--png`` (OTPS and
+TTFT against the arrival rate).
+
+    python benchmarks/bench_serving.py --model gpt-oss-20b --requests 32 --json s.json --md s.md --png s.png
+    python benchmarks/bench_serving.py --buckets 8 16 32 --configs no_lora lora8 ...   # fewer compiles / runs
+    python benchmarks/bench_serving.py --tiny   # CPU smoke test (tiny GPT-OSS, a few seconds; no timing claims)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections import deque
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import build_model, log, make_adapters, sync  # noqa: E402
+
+import moe_lora_compile as mlc  # noqa: E402
+from moe_lora_compile.serving import AdapterStore, Request, ServingEngine  # noqa: E402
+from moe_lora_compile.shapes import DECODE_MODELS  # noqa: E402
+
+CONFIGS = ("no_lora", "lora8", "lora64", "grouped8")
+TARGETS = {"lora8": 0.85, "lora64": 0.75}  # OTPS vs no_lora at every rate (issue 15)
+
+
+def workload(count: int, prompt: int, new: int, jitter: float, vocab: int, adapters: list, rate: float,
+             seed: int) -> tuple[list[float], list[Request]]:
+    """``count`` Poisson arrival times (rate ``rate`` per second) and requests: lengths uniform in
+    ``x * (1 +- jitter)``, random token ids, adapters drawn uniformly from ``adapters`` (greedy, no eos)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def length(mean):
+        lo, hi = max(1, round(mean * (1 - jitter))), max(1, round(mean * (1 + jitter)))
+        return int(torch.randint(lo, hi + 1, (), generator=g))
+
+    gaps = torch.empty(count, dtype=torch.float64).exponential_(rate, generator=g) if rate > 0 else torch.zeros(count)
+    arrivals = torch.cumsum(gaps, 0).tolist()
+    requests = []
+    for _ in range(count):
+        ids = torch.randint(3, vocab, (length(prompt),), generator=g).tolist()
+        adapter = adapters[int(torch.randint(len(adapters), (), generator=g))]
+        requests.append(Request(ids, adapter=adapter, max_new_tokens=length(new), eos_token_ids=()))
+    return arrivals, requests
+
+
+def serve(engine: ServingEngine, arrivals: list[float], requests: list[Request]) -> dict:
+    """Submit each request at its arrival time (from now) while stepping the engine; the metrics of the run."""
+    store = engine.store
+    before = store.counters if store is not None else None
+    steps0, tokens0 = engine.steps, engine.tokens_generated
+    pending = deque(zip(arrivals, requests))
+    handles = []
+    t0 = time.perf_counter()
+    while pending or not engine.idle:
+        now = time.perf_counter() - t0
+        while pending and pending[0][0] <= now:
+            arrival, request = pending.popleft()
+            handles.append((t0 + arrival, engine.submit(request)))
+        if engine.idle and pending:
+            time.sleep(max(0.0, min(pending[0][0] - (time.perf_counter() - t0), 0.05)))
+            continue
+        engine.step()
+    sync(engine.device)
+    end = max(h.token_times[-1] for _, h in handles)
+    ttft = torch.tensor([h.first_token_at - a for a, h in handles])
+    e2e = torch.tensor([h.token_times[-1] - a for a, h in handles])
+    gaps = [b - a for _, h in handles for a, b in zip(h.token_times, h.token_times[1:])]
+    itl = torch.tensor(gaps or [float("nan")])
+    tokens = sum(len(h.tokens) for _, h in handles)
+    steps = engine.steps - steps0
+    row = dict(requests=len(handles), output_tokens=tokens, seconds=end - t0, otps=tokens / (end - t0),
+               ttft_p50_ms=1e3 * _q(ttft, 0.5), ttft_p99_ms=1e3 * _q(ttft, 0.99), itl_p50_ms=1e3 * _q(itl, 0.5),
+               itl_p99_ms=1e3 * _q(itl, 0.99), e2e_p50_s=_q(e2e, 0.5),
+               mean_batch=(engine.tokens_generated - tokens0 - len(handles)) / max(steps, 1), steps=steps)
+    if store is not None:
+        after = store.counters
+        row.update(adapter_loads=after.loads - before.loads, evictions=after.evictions - before.evictions,
+                   load_ms=1e3 * (after.load_seconds - before.load_seconds))
+    return row
+
+
+def _q(values: torch.Tensor, q: float) -> float:
+    return float(torch.quantile(values.double(), q))
+
+
+def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, adapters: list) -> tuple[float, dict]:
+    """Requests/s the engine sustains at a full batch: one prefill of a ``prompt``-token request, then decode steps
+    with every row busy (adapters round-robin): ``1 / (t_prefill + new * t_step / max_rows)``."""
+    rows = engine.graphs.max_rows
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    engine.generate_many([Request(ids(prompt), adapter=adapters[0], max_new_tokens=1, eos_token_ids=())])  # warm
+    sync(engine.device)
+    t0 = time.perf_counter()
+    engine.generate_many([Request(ids(prompt), adapter=adapters[0], max_new_tokens=1, eos_token_ids=())])
+    sync(engine.device)
+    t_prefill = time.perf_counter() - t0
+    steps = 16
+    handles = [engine.submit(ids(8), adapter=adapters[i % len(adapters)], max_new_tokens=steps + 4, eos_token_ids=())
+               for i in range(rows)]
+    while engine.num_running < rows:  # every row admitted, prefilled and decoding
+        engine.step()
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    t_step = (time.perf_counter() - t0) / steps
+    for h in handles:
+        h.result()
+    rate = 1.0 / (t_prefill + new * t_step / rows)
+    return rate, dict(t_prefill_ms=1e3 * t_prefill, t_step_ms=1e3 * t_step, saturation_rps=rate)
+
+
+def build(args, device, dtype):
+    """The attached model, its store (64 names over the 8 adapters' factors) and the engine."""
+    name = "gpt_oss" if args.tiny else args.model
+    t0 = time.perf_counter()
+    model = build_model(name, device, dtype, args.tiny)
+    vocab = model.config.vocab_size
+    log(f"{name}: built ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params) in "
+        f"{time.perf_counter() - t0:.1f} s")
+    with tempfile.TemporaryDirectory() as folder:
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            paths, peft_model = make_adapters(model, folder, args.distinct, args.rank, name if args.tiny else None)
+        model = peft_model.unload()
+        del peft_model
+        log(f"{len(paths)} PEFT adapters of rank {args.rank} made in {time.perf_counter() - t0:.1f} s")
+        mm = mlc.attach(model, max_loras=args.slots, max_rank=args.rank, use_ops=device.type == "cuda",
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        t0 = time.perf_counter()
+        parsed = [mm.parse_adapter(p) for p in paths]
+    if device.type == "cuda":
+        parsed = [w.pinned() for w in parsed]
+    store = AdapterStore(mm)
+    names = [f"a{i}" for i in range(max(args.paged, args.resident))]
+    for i, n in enumerate(names):
+        store.register(n, parsed[i % len(parsed)])  # names beyond the distinct ones share their host copy
+    log(f"{len(names)} adapter names registered over {len(parsed)} parsed adapters in {time.perf_counter() - t0:.1f} s")
+    max_cache = round((args.prompt + args.new) * (1 + args.jitter)) + 2
+    buckets = args.buckets or None
+    t0 = time.perf_counter()
+    engine = ServingEngine(mm, store, max_rows=args.max_rows, max_cache_len=max_cache, batch_sizes=buckets,
+                           prefill_chunk=args.prefill_chunk, compile=not args.no_compile,
+                           compile_prefill=not args.eager_prefill, log=log)
+    log(f"engine ready ({'compiled, ' if not args.no_compile else ''}buckets {list(engine.graphs.batch_sizes)}, "
+        f"{args.max_rows} rows x {max_cache} slots) in {time.perf_counter() - t0:.1f} s")
+    return mm, store, engine, vocab, names
+
+
+def run(args) -> list[dict]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    mm, store, engine, vocab, names = build(args, device, dtype)
+    resident, paged = names[: args.resident], names[: args.paged]
+    rows = [dict(kind="setup", device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                 **{k: v for k, v in vars(args).items() if k != "model"},
+                 model="gpt_oss (tiny)" if args.tiny else args.model)]
+    if args.rates:
+        rates = list(args.rates)
+    else:
+        rate, info = saturation_rate(engine, args.prompt, args.new, vocab, resident)
+        rows.append(dict(kind="calibration", **info))
+        log(f"saturation estimate: {rate:.3f} requests/s (prefill {info['t_prefill_ms']:.1f} ms, step at "
+            f"{args.max_rows} rows {info['t_step_ms']:.2f} ms)")
+        rates = [f * rate for f in args.load_factors]
+    log(f"rates {', '.join(f'{r:.3f}' for r in rates)} requests/s: arrivals alone take "
+        f"{len(args.configs) * sum(args.requests / r for r in rates):.0f} s over the {len(rates) * len(args.configs)} "
+        f"runs (each run then drains its last requests)")
+    for r_i, rate in enumerate(rates):
+        for config in args.configs:
+            adapters = {"no_lora": [None], "lora8": resident, "lora64": paged, "grouped8": resident}[config]
+            arrivals, requests = workload(args.requests, args.prompt, args.new, args.jitter, vocab, adapters, rate,
+                                          seed=args.seed + r_i)
+            engine.schedule = "grouped" if config == "grouped8" else "mixed"
+            if config in ("lora8", "grouped8"):
+                with store.use(resident):  # all 8 resident before the run: its loads are the run's own
+                    pass
+            result = serve(engine, arrivals, requests)
+            rows.append(dict(kind="run", config=config, rate=rate, load=["low", "near", "over"][min(r_i, 2)]
+                             if len(rates) == 3 else str(r_i), **result))
+            log(f"{config} @ {rate:.3f} req/s: {result['otps']:.1f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms "
+                f"p99 {result['ttft_p99_ms']:.0f} ms, ITL p50 {result['itl_p50_ms']:.1f} ms p99 "
+                f"{result['itl_p99_ms']:.1f} ms, batch {result['mean_batch']:.1f}, loads {result.get('adapter_loads')}")
+    return rows
+
+
+def to_markdown(rows: list[dict]) -> str:
+    runs = [r for r in rows if r["kind"] == "run"]
+    setup = rows[0]
+    out = [f"Serving, {setup['model']} on {setup['device']}: {setup['requests']} requests per run, prompt "
+           f"~{setup['prompt']} / output ~{setup['new']} tokens (+-{100 * setup['jitter']:.0f} %), rank "
+           f"{setup['rank']}, {setup['max_rows']} rows, {setup['slots']} slots"
+           + (" (tiny model on the CPU: a smoke run, no timing claims)" if setup["tiny"] else ""), "",
+           "| load | req/s | config | out tok/s | vs no_lora | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | "
+           "e2e p50 s | mean batch | adapter loads |", "|" + "---|" * 12]
+    base = {r["rate"]: r for r in runs if r["config"] == "no_lora"}
+    for r in runs:
+        ratio = r["otps"] / base[r["rate"]]["otps"] if r["rate"] in base else float("nan")
+        out.append(f"| {r['load']} | {r['rate']:.3f} | {r['config']} | {r['otps']:.1f} | {ratio:.2f} | "
+                   f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                   f"{r['e2e_p50_s']:.2f} | {r['mean_batch']:.1f} | {r.get('adapter_loads', '-')} |")
+    out += ["", "Targets (issue 15):"]
+    for config, target in TARGETS.items():
+        ratios = [r["otps"] / base[r["rate"]]["otps"] for r in runs if r["config"] == config and r["rate"] in base]
+        if ratios:
+            out.append(f"- {config} OTPS / no_lora >= {target} at every rate: min {min(ratios):.2f} "
+                       f"({'met' if min(ratios) >= target else 'NOT met'})")
+    near = {r["config"]: r for r in runs if r["load"] == "near"}
+    if "lora8" in near and "grouped8" in near:
+        x = near["lora8"]["otps"] / near["grouped8"]["otps"]
+        out.append(f"- lora8 OTPS / grouped8 >= 3 near saturation: {x:.2f} ({'met' if x >= 3 else 'NOT met'})")
+    ttft = [r["ttft_p50_ms"] / base[r["rate"]]["ttft_p50_ms"] for r in runs if r["config"] == "lora8"
+            and r["rate"] in base]
+    if ttft:
+        verdict = "met" if max(ttft) <= 1.2 else "NOT met"
+        out.append(f"- lora8 TTFT p50 / no_lora <= 1.2: max {max(ttft):.2f} ({verdict})")
+    return "\n".join(out) + "\n"
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["kind"] == "run"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for config in CONFIGS:
+        pts = sorted((r["rate"], r["otps"], r["ttft_p50_ms"]) for r in runs if r["config"] == config)
+        if pts:
+            rates, otps, ttft = zip(*pts)
+            axes[0].plot(rates, otps, marker="o", label=config)
+            axes[1].plot(rates, ttft, marker="o", label=config)
+    axes[0].set_ylabel("output tokens/s")
+    axes[1].set_ylabel("TTFT p50 (ms)")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"serving {rows[0]['model']} on {rows[0]['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parser(prog=None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="gpt-oss-20b", choices=list(DECODE_MODELS))
+    p.add_argument("--tiny", action="store_true", help="tiny GPT-OSS on the CPU, small workload (a smoke test)")
+    p.add_argument("--requests", type=int, default=32,
+                   help="requests per run; a run lasts ~requests / rate + the last requests' decode (scale to fit)")
+    p.add_argument("--prompt", type=int, default=1600, help="mean prompt tokens")
+    p.add_argument("--new", type=int, default=600, help="mean output tokens")
+    p.add_argument("--jitter", type=float, default=0.25, help="lengths uniform in mean * (1 +- jitter)")
+    p.add_argument("--rates", type=float, nargs="+", help="arrival rates in requests/s (default: calibrated)")
+    p.add_argument("--load-factors", type=float, nargs="+", default=[0.4, 0.9, 1.5],
+                   help="rates as multiples of the estimated saturation rate (low, near, overload)")
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--resident", type=int, default=8, help="adapters of lora8 / grouped8")
+    p.add_argument("--paged", type=int, default=64, help="adapters of lora64")
+    p.add_argument("--distinct", type=int, default=8, help="distinct adapters made (names share their factors)")
+    p.add_argument("--slots", type=int, default=8, help="GPU adapter slots (max_loras)")
+    p.add_argument("--max-rows", type=int, default=32, help="requests decoding at once")
+    p.add_argument("--buckets", type=int, nargs="+", help="decode buckets (default: powers of two up to max-rows)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens prefilled per engine step")
+    p.add_argument("--no-compile", action="store_true", help="run the decode steps eagerly (captured on CUDA)")
+    p.add_argument("--eager-prefill", action="store_true",
+                   help="compile_prefill=False: no prefill compile (~2 min less for a 20B model; TTFT then is the "
+                        "eager prefill's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json")
+    p.add_argument("--md")
+    p.add_argument("--png")
+    return p
+
+
+TINY = dict(requests=3, prompt=16, new=5, max_rows=4, slots=4, prefill_chunk=32, no_compile=True, rank=4,
+            paged=16, distinct=4, resident=4)
+
+
+def main(argv=None, prog=None) -> int:
+    warnings.filterwarnings("ignore", message=".*Online softmax is disabled.*")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser(prog)
+    args = p.parse_args(argv)
+    if args.tiny:  # small defaults, unless given on the command line
+        given = {a.dest for a in p._actions if any(s in argv for s in a.option_strings)}
+        for key, value in TINY.items():
+            if key not in given:
+                setattr(args, key, value)
+    rows = run(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    text = to_markdown(rows)
+    print(text)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+    if args.png:
+        plot(rows, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,549 @@
+"""``ServingEngine``: continuous batching of requests, each with its own prompt, adapter, sampling and stop condition.
+
+Requests join and leave between decode steps. Each engine step (:meth:`ServingEngine.step`):
+
+1. launches one decode step of every running request (:class:`~moe_lora_compile.graphs.rows.RowGraphs`: one CUDA
+   graph per bucket; each row's token, position and adapter slot are data) and its sampling, without waiting;
+2. admits waiting requests (arrival order) into free cache rows, acquiring their adapters from the
+   :class:`~moe_lora_compile.serving.AdapterStore`: an adapter not in a slot is copied in on the store's side stream
+   while the step computes (into a slot no live request holds, after the GPU work that last read it); a request
+   whose adapter finds no slot waits, and at most ``max_bypass`` later requests that need a slot overtake it (then
+   only requests without an adapter do, until it gets one);
+3. launches up to ``prefill_chunk`` prompt tokens of the admitted requests (a long prompt takes several steps, so
+   the running requests keep decoding beside it; the prefill waits on the GPU for its adapter's copy);
+4. waits for the step's tokens (a host sync), streams them, and retires finished requests (row freed, adapter
+   released); then samples the first token of each prompt prefilled to its end (a second sync): those requests
+   decode from the next step on.
+
+Why not transformers' continuous batching (``generate_batch`` / ``init_continuous_batching``)? Its batches are packed
+(all requests' tokens flattened into one ``[1, T]`` sequence), and nothing in it carries per-request data to the
+model: per-token adapter ids would have to be written by its private batch-preparation code
+(``ContinuousBatchingIOs.prepare_batch_tensors`` in 5.24, no extension point, and in its asynchronous mode batch
+``n+1`` is prepared while batch ``n`` runs), and our dense LoRA layers map a ``[1, T, H]`` input to the adapter of
+sequence 0. It also samples every request with one setting. So the engine runs our own per-row decode steps instead.
+
+Usage::
+
+    engine = ServingEngine(mm, store, max_rows=16, max_cache_len=2048)   # captures the graphs (CUDA) first
+    handle = engine.submit(prompt_ids, adapter="sql", max_new_tokens=64)
+    for token in handle: ...              # streams (drives the engine, or waits for engine.start()'s thread)
+    handles = engine.generate_many([Request(p, adapter=a) for p, a in work])   # blocking
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from ..graphs.rows import RowGraphs
+from ..ops.contract import NO_ADAPTER
+from .sampling import sample
+from .store import AdapterStore, NoFreeSlot
+
+FINISH_REASONS = ("length", "eos", "stop", "cancelled", "error")
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request.
+
+    ``prompt_ids``: token ids (a list or a 1-D tensor); ``adapter``: a name (in the engine's store, or loaded into the
+    model directly) or None for the base model; ``max_new_tokens``; sampling: ``temperature`` (0 = greedy),
+    ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed`` (None: drawn from torch's default generator at submit);
+    stopping: ``eos_token_ids`` (None: the model's generation config; ``()``: none), ``stop`` (token sequences; the
+    request ends after the first one it generates, which stays in its tokens), and ``max_new_tokens``;
+    ``on_token(handle, token)``: called from the engine's thread for every new token."""
+
+    prompt_ids: Sequence[int]
+    adapter: Optional[str] = None
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    eos_token_ids: Optional[Sequence[int]] = None
+    stop: Sequence[Sequence[int]] = ()
+    on_token: Optional[Callable[["RequestHandle", int], None]] = None
+
+
+class RequestHandle:
+    """A submitted request: its new ``tokens`` so far, ``finish_reason`` (one of :data:`FINISH_REASONS`, None while
+    live), ``error`` (for ``"error"``), and host timestamps (``time.perf_counter()``): ``submitted_at``,
+    ``first_token_at``, ``token_times`` (one per token). Iterating streams the tokens; :meth:`result` blocks."""
+
+    def __init__(self, engine: "ServingEngine", request: Request, prompt: list[int], eos: frozenset, stop: tuple,
+                 seed: int):
+        self.engine, self.request, self.id = engine, request, None  # the id is given when queued
+        self.prompt, self.eos, self.stop, self.seed = prompt, eos, stop, seed
+        self.tokens: list[int] = []
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[BaseException] = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: Optional[float] = None
+        self.token_times: list[float] = []
+        self._cancel = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """End the request at the next engine step (``finish_reason="cancelled"``)."""
+        self._cancel = True
+
+    def __iter__(self) -> Iterator[int]:
+        seen = 0
+        while True:
+            self.engine._wait(lambda: len(self.tokens) > seen or self.done)
+            while seen < len(self.tokens):
+                seen += 1
+                yield self.tokens[seen - 1]
+            if self.done and seen == len(self.tokens):
+                self._raise()
+                return
+
+    def result(self) -> list[int]:
+        """The new tokens, once finished (drives the engine, or waits for its thread); re-raises an engine error."""
+        self.engine._wait(lambda: self.done)
+        self._raise()
+        return list(self.tokens)
+
+    def _raise(self) -> None:
+        if self.finish_reason == "error":
+            raise RuntimeError(f"request {self.id} failed: {self.error!r}") from self.error
+
+    def __repr__(self) -> str:
+        state = self.finish_reason or "live"
+        return f"RequestHandle(id={self.id}, adapter={self.request.adapter!r}, tokens={len(self.tokens)}, {state})"
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+    """Engine-side state of an admitted request."""
+
+    handle: RequestHandle
+    row: int
+    slot: int
+    held: bool  # an adapter acquired from the store (released when the request ends)
+    prefilled: int = 0
+
+
+class ServingEngine:
+    """Continuous batching over :class:`~moe_lora_compile.graphs.rows.RowGraphs` of ``mm``.
+
+    ``store``: the :class:`AdapterStore` that adapter names resolve through (names loaded into ``mm`` directly work
+    too, without paging); ``max_rows``: requests decoding at once; ``max_cache_len``: prompt + new tokens per request
+    (a request needs ``len(prompt) + max_new_tokens - 1`` slots); ``batch_sizes``, ``prefill_chunk``, ``capture``,
+    ``compile``, ``compile_prefill``, ``fold_gqa``, ``log``: as in :class:`RowGraphs` (its graphs are captured
+    here); ``schedule``: ``"mixed"`` (any
+    adapters side by side) or ``"grouped"`` (one adapter at a time: requests of the adapter of the oldest waiting
+    request, until none of them is live; the baseline of a one-adapter server such as plain PEFT);
+    ``max_bypass``: see the module docstring (default ``max_rows``).
+
+    Threads: :meth:`submit` is thread-safe; the steps run in one thread at a time: the caller's (iterating a handle,
+    :meth:`result`, :meth:`generate_many` or :meth:`run` drive them) or the engine's own after :meth:`start`.
+    """
+
+    def __init__(self, mm, store: Optional[AdapterStore] = None, *, max_rows: int = 8, max_cache_len: int = 1024,
+                 batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
+                 capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
+                 fold_gqa: bool = True, schedule: str = "mixed", max_bypass: Optional[int] = None,
+                 log: Optional[Callable[[str], None]] = print):
+        if store is not None and store.mm is not mm:
+            raise ValueError("store: the AdapterStore serves another model (store.mm is not mm)")
+        max_bypass = max_rows if max_bypass is None else max_bypass
+        if not isinstance(max_bypass, int) or max_bypass < 0:
+            raise ValueError(f"max_bypass must be an int >= 0, got {max_bypass!r}")
+        self.mm, self.store, self.max_bypass = mm, store, max_bypass
+        self.schedule = schedule
+        self.graphs = RowGraphs(mm, max_rows=max_rows, max_cache_len=max_cache_len, batch_sizes=batch_sizes,
+                                prefill_chunk=prefill_chunk, capture=capture, compile=compile,
+                                compile_prefill=compile_prefill, fold_gqa=fold_gqa, log=log).capture()
+        self.device = self.graphs.device
+        self.vocab_size = mm.model.get_output_embeddings().weight.shape[0]
+        eos = mm.model.generation_config.eos_token_id
+        self.default_eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        self._cond = threading.Condition()  # guards the queue, the handles' progress and the thread's state
+        self._step_lock = threading.Lock()  # one step at a time
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._prefilling: list[_Live] = []
+        self._running: dict[int, _Live] = {}
+        self._free_rows = list(range(max_rows))
+        self._bypassed = 0  # requests admitted past the oldest waiting one while it found no slot
+        self._next_id = 0
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self._tokens_host = torch.empty(max_rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.steps = 0  # decode steps run
+        self.tokens_generated = 0
+
+    @property
+    def schedule(self) -> str:
+        """``"mixed"`` or ``"grouped"`` (see the class docstring); may be changed between requests."""
+        return self._schedule
+
+    @schedule.setter
+    def schedule(self, value: str) -> None:
+        if value not in ("mixed", "grouped"):
+            raise ValueError(f"schedule must be 'mixed' or 'grouped', got {value!r}")
+        self._schedule = value
+
+    # --- submitting ----------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids, **kwargs) -> RequestHandle:
+        """Queue ``Request(prompt_ids, **kwargs)`` (or pass a :class:`Request` as ``prompt_ids``); returns its
+        handle. Everything is checked first: ValueError for a bad field, KeyError for an unknown adapter; nothing
+        is queued then."""
+        if isinstance(prompt_ids, Request) and kwargs:
+            raise TypeError("submit: pass a Request or keyword arguments, not both")
+        request = prompt_ids if isinstance(prompt_ids, Request) else Request(prompt_ids, **kwargs)
+        handle = self._handle(request)
+        self._queue([handle])
+        return handle
+
+    def generate_many(self, requests: Sequence) -> list[RequestHandle]:
+        """Submit every request (:class:`Request` s or dicts of its fields; all checked before any is queued) and
+        run until all have finished; returns their handles (``handle.tokens``, ``handle.finish_reason``).
+        RuntimeError when one failed (its adapter did not load; the others still finished)."""
+        requests = [r if isinstance(r, Request) else Request(**r) for r in requests]
+        handles = [self._handle(r) for r in requests]
+        self._queue(handles)
+        self._wait(lambda: all(h.done for h in handles))
+        for h in handles:
+            h._raise()
+        return handles
+
+    def _handle(self, r: Request) -> RequestHandle:
+        """A checked :class:`RequestHandle` for ``r`` (not queued yet)."""
+        prompt = r.prompt_ids.tolist() if isinstance(r.prompt_ids, torch.Tensor) else r.prompt_ids
+        if (not isinstance(prompt, (list, tuple)) or not prompt
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            raise ValueError(f"prompt_ids must be a non-empty 1-D list (or tensor) of token ids, got {r.prompt_ids!r}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
+        n = r.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {n!r}")
+        if len(prompt) + n - 1 > self.graphs.max_cache_len:
+            raise ValueError(f"max_new_tokens: {len(prompt)} prompt tokens + {n} new ones need "
+                             f"{len(prompt) + n - 1} cache slots, more than max_cache_len={self.graphs.max_cache_len}")
+        if not isinstance(r.temperature, (int, float)) or not math.isfinite(r.temperature) or r.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {r.temperature!r}")
+        if not isinstance(r.top_p, (int, float)) or not 0 < r.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {r.top_p!r}")
+        if not isinstance(r.top_k, int) or isinstance(r.top_k, bool) or r.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {r.top_k!r}")
+        if r.seed is not None and (not isinstance(r.seed, int) or isinstance(r.seed, bool)):
+            raise ValueError(f"seed must be an int or None, got {r.seed!r}")
+        eos = self.default_eos if r.eos_token_ids is None else r.eos_token_ids
+        eos = [eos] if isinstance(eos, int) else eos
+        if not all(isinstance(t, int) for t in eos):
+            raise ValueError(f"eos_token_ids must be an int or a list of ints, got {r.eos_token_ids!r}")
+        stop = tuple(tuple(s) for s in r.stop)
+        if not all(s and all(isinstance(t, int) for t in s) for s in stop):
+            raise ValueError(f"stop must be a list of non-empty token-id sequences, got {r.stop!r}")
+        if r.on_token is not None and not callable(r.on_token):
+            raise ValueError(f"on_token must be callable, got {r.on_token!r}")
+        self._check_adapter(r.adapter)
+        seed = int(torch.randint(0, 2**62, ())) if r.seed is None else r.seed
+        return RequestHandle(self, r, list(prompt), frozenset(eos), stop, seed)
+
+    def _queue(self, handles: list[RequestHandle]) -> None:
+        with self._cond:
+            for handle in handles:
+                self._next_id += 1
+                handle.id = self._next_id
+                handle.submitted_at = time.perf_counter()
+                self._waiting.append(handle)
+            self._cond.notify_all()
+
+    def _check_adapter(self, name) -> None:
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise ValueError(f"adapter must be a name (str) or None, got {name!r}")
+        if (self.store is None or name not in self.store) and name not in self.mm.adapters:
+            known = sorted(set(self.store.registered if self.store is not None else []) | set(self.mm.adapters))
+            raise KeyError(f"adapter: unknown adapter {name!r}; known: {known}")
+
+    # --- running -------------------------------------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        """No request waiting or live."""
+        return not (self._waiting or self._prefilling or self._running)
+
+    @property
+    def num_running(self) -> int:
+        """Requests decoding (their prompt prefilled)."""
+        return len(self._running)
+
+    def step(self) -> bool:
+        """One engine step; returns whether work remains. In this order, so that the GPU never waits for the host
+        or for an adapter copy: launch the decode step of the running requests (no host sync), admit waiting
+        requests (adapter loads run on the store's side stream while the step computes), launch up to
+        ``prefill_chunk`` prompt tokens, then read the step's tokens, and last the first tokens of the prompts
+        prefilled to their end (those requests decode from the next step on)."""
+        with self._step_lock:
+            try:
+                with self._cond:
+                    self._retire_cancelled()
+                launched = self._launch_decode()
+                with self._cond:
+                    self._admit()
+                prefilled = self._prefill()
+                self._finish_decode(launched)
+                self._start_decoding(prefilled)
+            except BaseException as error:  # every live and waiting request ends with this error
+                self._fail_all(error)
+                raise
+            with self._cond:
+                self._cond.notify_all()
+                return not self.idle
+
+    def run(self) -> None:
+        """Step until no request is waiting or live."""
+        while self.step():
+            pass
+
+    def start(self) -> "ServingEngine":
+        """Run the steps in a background thread (until :meth:`stop`); handles then wait instead of stepping."""
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the engine's thread is already running")
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="moe-lora-serving", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the background thread after its current step (live requests stay; step or start again)."""
+        with self._cond:
+            thread, self._stopping = self._thread, True
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self.idle and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except BaseException:  # step() failed every request with the error; the thread ends
+                with self._cond:
+                    self._thread = None
+                    self._cond.notify_all()
+                return
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        """Until ``ready()``: wait for the engine's thread, or run steps here."""
+        while True:
+            with self._cond:
+                if ready():
+                    return
+                if self._thread is not None:
+                    self._cond.wait()
+                    continue
+            self.step()
+
+    # --- the steps -----------------------------------------------------------------------------------------------
+    def _retire_cancelled(self) -> None:
+        for handle in [h for h in self._waiting if h._cancel]:
+            self._waiting.remove(handle)
+            self._finish_handle(handle, "cancelled")
+        for live in [x for x in (*self._prefilling, *self._running.values()) if x.handle._cancel]:
+            self._retire(live, "cancelled")
+
+    def _admit(self) -> None:
+        blocked = None  # the oldest waiting request that found no slot this step
+        group = self._group()
+        for handle in list(self._waiting):
+            if not self._free_rows:
+                break
+            adapter = handle.request.adapter
+            if group is not _ANY and adapter != group:
+                continue
+            needs_slot = adapter is not None and self.store is not None and adapter in self.store
+            if blocked is not None and needs_slot and self._bypassed >= self.max_bypass:
+                continue
+            try:
+                slot, held = self._acquire(adapter)
+            except NoFreeSlot:  # every slot is held by live requests: wait
+                if blocked is None:
+                    blocked = handle
+                continue
+            except Exception as error:  # the adapter failed to load: this request fails, nothing else changes
+                self._waiting.remove(handle)
+                handle.error = error
+                self._finish_handle(handle, "error")
+                continue
+            self._waiting.remove(handle)
+            if blocked is not None and needs_slot:
+                self._bypassed += 1
+            self._prefilling.append(_Live(handle, self._free_rows.pop(0), slot, held))
+            if group is not _ANY:
+                group = adapter
+        if blocked is None:
+            self._bypassed = 0
+
+    def _group(self):
+        """The adapter allowed in under ``schedule="grouped"`` (``_ANY`` under ``"mixed"``)."""
+        if self.schedule == "mixed":
+            return _ANY
+        live = [*self._prefilling, *self._running.values()]
+        if live:
+            return live[0].handle.request.adapter
+        return self._waiting[0].request.adapter if self._waiting else _ANY
+
+    def _acquire(self, adapter) -> tuple[int, bool]:
+        if adapter is None:
+            return NO_ADAPTER, False
+        if self.store is not None and adapter in self.store:
+            return self.store.acquire([adapter])[0], True
+        return self.mm.adapters[adapter], False
+
+    def _prefill(self) -> list[tuple[_Live, torch.Tensor]]:
+        """Launch up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first; returns the
+        requests whose prompt is now complete, with the logits of its last token."""
+        budget, done = self.graphs.prefill_chunk, []
+        for live in list(self._prefilling):
+            if budget <= 0:
+                break
+            prompt = live.handle.prompt
+            n = min(len(prompt) - live.prefilled, budget)
+            logits = self.graphs.prefill(live.row, prompt[live.prefilled: live.prefilled + n],
+                                         start=live.prefilled, adapter_slot=live.slot)
+            live.prefilled += n
+            budget -= n
+            if live.prefilled == len(prompt):
+                done.append((live, logits))
+        return done
+
+    def _start_decoding(self, prefilled: list[tuple[_Live, torch.Tensor]]) -> None:
+        """First token of each prefilled request (one host sync); those that go on join the next decode step."""
+        if not prefilled:
+            return
+        lives = [live for live, _ in prefilled]
+        tokens = self._sample(torch.stack([logits for _, logits in prefilled]), lives).tolist()
+        with self._cond:
+            for live, token in zip(lives, tokens):
+                self._prefilling.remove(live)
+                if self._emit(live, token):
+                    self.graphs.set_row(live.row, token=token, position=len(live.handle.prompt),
+                                        adapter_slot=live.slot)
+                    self._running[live.row] = live
+
+    def _launch_decode(self):
+        """Launch one decode step of the running requests and its sampling, and start copying the tokens to the
+        host (no sync); returns what :meth:`_finish_decode` needs, or None."""
+        if not self._running:
+            return None
+        rows = sorted(self._running)
+        lives = [self._running[r] for r in rows]
+        logits = self.graphs.step(rows[-1] + 1)
+        if len(rows) < logits.shape[0]:
+            logits = logits.index_select(0, self._to_device(torch.tensor(rows)))
+        tokens = self._sample(logits, lives)
+        self.steps += 1
+        if tokens.device.type != "cuda":
+            return lives, tokens, None
+        host = self._tokens_host[: len(rows)]
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return lives, host, ready
+
+    def _finish_decode(self, launched) -> None:
+        """Wait for the launched step's tokens; stream them, retire the finished requests, advance the others."""
+        if launched is None:
+            return
+        lives, tokens, ready = launched
+        if ready is not None:
+            ready.synchronize()
+        go_on_rows, go_on_tokens = [], []
+        with self._cond:
+            for live, token in zip(lives, tokens.tolist()):
+                if self._emit(live, token):
+                    go_on_rows.append(live.row)
+                    go_on_tokens.append(token)
+        if go_on_rows:
+            self.graphs.advance(go_on_rows, go_on_tokens)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without a host sync (through pinned memory on CUDA)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, logits: torch.Tensor, lives: list[_Live]) -> torch.Tensor:
+        """One token per row of ``logits [n, V]`` for ``lives``, on the device (no host sync)."""
+        requests = [x.handle.request for x in lives]
+        if all(r.temperature == 0 for r in requests):
+            return logits.argmax(-1)
+        params = self._to_device(torch.tensor([[r.temperature, r.top_p] for r in requests], dtype=torch.float64))
+        ints = self._to_device(torch.tensor([[r.top_k, x.handle.seed, len(x.handle.tokens)]
+                                             for r, x in zip(requests, lives)], dtype=torch.long))
+        filtered = any(r.temperature > 0 and (r.top_p < 1 or r.top_k > 0) for r in requests)
+        return sample(logits, params[:, 0], params[:, 1], ints[:, 0], ints[:, 1], ints[:, 2], filtered=filtered)
+
+    def _emit(self, live: _Live, token: int) -> bool:
+        """Give ``token`` to the request (under ``_cond``); returns whether it goes on (else it was retired)."""
+        handle, now = live.handle, time.perf_counter()
+        handle.tokens.append(token)
+        handle.token_times.append(now)
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+        self.tokens_generated += 1
+        if handle.request.on_token is not None:
+            handle.request.on_token(handle, token)
+        reason = None
+        if token in handle.eos:
+            reason = "eos"
+        elif any(len(handle.tokens) >= len(s) and tuple(handle.tokens[-len(s):]) == s for s in handle.stop):
+            reason = "stop"
+        elif len(handle.tokens) >= handle.request.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            return True
+        self._retire(live, reason)
+        return False
+
+    def _retire(self, live: _Live, reason: str) -> None:
+        """End a live request: free its row (padding from the next step on), release its adapter."""
+        if live in self._prefilling:
+            self._prefilling.remove(live)
+        self._running.pop(live.row, None)
+        self.graphs.clear_row(live.row)
+        self._free_rows.append(live.row)
+        self._free_rows.sort()
+        if live.held:
+            self.store.release([live.handle.request.adapter])
+        self._finish_handle(live.handle, reason)
+
+    def _finish_handle(self, handle: RequestHandle, reason: str) -> None:
+        handle.finish_reason = reason
+        self._cond.notify_all()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            for live in [*self._prefilling, *self._running.values()]:
+                live.handle.error = error
+                self._retire(live, "error")
+            while self._waiting:
+                handle = self._waiting.popleft()
+                handle.error = error
+                self._finish_handle(handle, "error")
+
+
+_ANY = object()

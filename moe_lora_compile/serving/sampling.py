@@ -1,0 +1,72 @@
+"""Per-request sampling that a seed makes reproducible whatever else runs in the batch.
+
+``sample`` draws one token per row from ``softmax(logits / temperature)`` restricted to the top-k tokens and to the
+nucleus (the fewest most likely tokens whose probability reaches ``top_p``), by the exponential race (Gumbel-max):
+``argmax_i log p_i - log E_i`` with ``E_i ~ Exp(1)`` is distributed as ``p``. The noise ``E`` is not drawn from a
+generator but computed from ``(seed, counter, token id)`` by an integer hash, so a row's draw depends only on its own
+logits, its seed and its counter (the request's token index): the same request gives the same tokens alone or beside
+any other requests, in any row, on any device (given the same logits), and the whole batch is sampled at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """An avalanching 32-bit integer hash of ``x`` (int64 holding values in ``[0, 2**32)``); the products stay
+    below ``2**63`` (multipliers below ``2**31``)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
+    """``[n, vocab]`` float32 uniforms in ``(0, 1)`` from ``seeds [n]`` and ``counters [n]`` (int64): a pure
+    function of ``(seed, counter, token id)``."""
+    seeds, counters = seeds.long(), counters.long()
+    key = _mix32(_mix32(seeds & _MASK32) ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ (counters & _MASK32))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    bits = _mix32(_mix32(key[:, None] ^ ids[None, :]) ^ (key[:, None] >> 7))
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, never 0 or 1
+
+
+def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
+                    filtered: Optional[bool] = None) -> Tensor:
+    """``logits [n, V] / temperature [n]`` in float32 with the tokens outside the top-k (``top_k [n]``, 0 = off)
+    and outside the nucleus (``top_p [n]``, 1 = off) set to ``-inf``; the most likely token is always kept.
+    ``filtered``: whether any row filters (None: found out from the tensors, a host sync on a GPU)."""
+    scores = logits.float() / temperature.float()[:, None]
+    if filtered is None:
+        filtered = bool(((top_p < 1) | (top_k > 0)).any())
+    if filtered:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
+        ranks = torch.arange(scores.shape[-1], device=scores.device)
+        drop = before >= top_p.float()[:, None]
+        drop |= (top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None])
+        drop[:, 0] = False
+        scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
+    return scores
+
+
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, seeds: Tensor, counters: Tensor, *,
+           filtered: Optional[bool] = None) -> Tensor:
+    """One token per row of ``logits [n, V]`` (int64 ``[n]``): greedy where ``temperature == 0``, else drawn as the
+    module docstring says. All parameters are ``[n]`` tensors on the logits' device; ``filtered`` as in
+    :func:`filtered_scores` (pass it to keep the call free of host syncs)."""
+    hot = temperature > 0
+    safe = torch.where(hot, temperature.float(), torch.ones_like(temperature, dtype=torch.float32))
+    scores = filtered_scores(logits, safe, top_p, top_k, filtered)
+    noise = uniform_noise(seeds, counters, logits.shape[-1])
+    drawn = (scores - torch.log(-torch.log(noise))).argmax(-1)  # log p - log E, E = -log U ~ Exp(1)
+    return torch.where(hot, drawn, logits.argmax(-1))

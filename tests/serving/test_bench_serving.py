@@ -1,0 +1,30 @@
+"""``python -m moe_lora_compile serve-bench`` runs benchmarks/bench_serving.py (its tiny mode on the CPU): every
+configuration serves every request to its full length, paging loads adapters, and the JSON / markdown / PNG are
+written. A smoke test of the script: its timings are not checked."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from moe_lora_compile.__main__ import main
+
+
+def test_serve_bench_tiny_writes_json_markdown_and_png(tmp_path, capsys):
+    out = {ext: str(tmp_path / f"serving.{ext}") for ext in ("json", "md", "png")}
+    argv = ["serve-bench", "--requests", "3", "--new", "4", "--jitter", "0", "--rates", "1000", "--configs",
+            "no_lora", "lora64", "grouped8", "--json", out["json"], "--md", out["md"], "--png", out["png"]]
+    if torch.cuda.is_available():
+        argv.insert(1, "--tiny")
+    assert main(argv) == 0
+    rows = json.load(open(out["json"]))
+    runs = [r for r in rows if r["kind"] == "run"]
+    assert [r["config"] for r in runs] == ["no_lora", "lora64", "grouped8"]
+    for r in runs:
+        assert r["requests"] == 3 and r["output_tokens"] == 3 * 4  # no eos: every request runs to max_new_tokens
+        assert r["otps"] > 0 and r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0
+    assert runs[0]["adapter_loads"] == 0 and runs[1]["adapter_loads"] >= 1
+    table = open(out["md"]).read()
+    assert table.count("| lora64 |") == 1 and "OTPS / no_lora" in table and table in capsys.readouterr().out
+    assert open(out["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"

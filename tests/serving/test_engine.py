@@ -1,0 +1,378 @@
+"""ServingEngine: continuous batching with per-request adapters equals each request generated alone.
+
+CPU tests run the engine's static-buffer steps eagerly (``capture=False``) on tiny float32 models with three PEFT
+adapters (``moe_lora_compile.__main__.build``): GPT-OSS (eager attention with sinks, sliding window 16 beside full
+layers: a dict of masks) and Qwen3-MoE (SDPA, one mask). The reference for every request is ``mm.generate`` of its
+prompt alone (greedy, HF's dynamic cache and masks). ``@pytest.mark.gpu`` tests capture the steps as CUDA graphs with
+the Triton kernels (``use_ops=True``): ``pytest -m gpu tests/serving``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from moe_lora_compile.__main__ import build
+from moe_lora_compile.models import attach
+from moe_lora_compile.serving import AdapterStore, Request, ServingEngine
+
+from engine_helpers import alone, prompt, random_adapter
+
+# (prompt length, adapter, max_new_tokens): lengths 1..26 (longer than the sliding window 16 and than one prefill
+# chunk of 8, so prompts are prefilled over several engine steps while others decode), every adapter and none
+WORK = [(5, "alpha", 9), (19, "beta", 12), (1, None, 6), (11, "gamma", 10), (26, "alpha", 8), (2, "beta", 5),
+        (8, None, 11)]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> its tiny model with three adapters, the prompts of WORK and each one's tokens alone (built once)."""
+    built = {}
+
+    def get(family):
+        if family not in built:
+            workdir = str(tmp_path_factory.mktemp("adapters"))
+            s = build(family, dtype=torch.float32, device=torch.device("cpu"), batch=1, seq_len=4, workdir=workdir)
+            s.workdir = workdir
+            s.prompts = [prompt(n, seed=i) for i, (n, _, _) in enumerate(WORK)]
+            s.want = [alone(s.model, p, a, m) for p, (_, a, m) in zip(s.prompts, WORK)]
+            built[family] = s
+        return built[family]
+
+    return get
+
+
+# the core checks on both families; the rest on GPT-OSS (the benchmark's model: sliding window, sinks, mask dict)
+both = pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+
+
+@pytest.fixture
+def family():
+    return "gpt_oss"  # tests parametrized over "family" override this
+
+
+@pytest.fixture
+def setup(models, family):
+    return models(family)
+
+
+def _engine(mm, **kwargs):
+    kwargs = {"max_rows": 4, "max_cache_len": 48, "prefill_chunk": 8, "log": None, **kwargs}
+    return ServingEngine(mm, **kwargs)
+
+
+@both
+def test_requests_joining_mid_stream_equal_each_alone(setup, family):
+    """Seven requests over four rows, in three waves: rows are shared by requests of different lengths and
+    adapters, requests join while others decode (after two and after five steps) and take the rows of finished ones;
+    each gets exactly the tokens mm.generate gives it alone (eos included: the model's eos ends some early)."""
+    engine = _engine(setup.model)
+    live_per_step = []
+
+    def submit(indices):
+        return [engine.submit(setup.prompts[i], adapter=WORK[i][1], max_new_tokens=WORK[i][2]) for i in indices]
+
+    def steps(n):
+        for _ in range(n):
+            more = engine.step()
+            live_per_step.append(len(engine._running))
+        return more
+
+    handles = submit([0, 1, 2])
+    steps(2)
+    handles += submit([3, 4])
+    steps(3)
+    handles += submit([5, 6])
+    while steps(1):
+        pass
+    assert [h.tokens for h in handles] == setup.want
+    assert all(h.finish_reason == ("eos" if h.tokens[-1] == 2 else "length") for h in handles)
+    assert max(live_per_step) == 4 and engine.steps < sum(len(w) for w in setup.want)  # rows shared the steps
+    assert engine.idle and sorted(engine._free_rows) == [0, 1, 2, 3]
+
+
+@both
+def test_stop_conditions(setup, family):
+    """eos ids of the request (first occurrence ends it, kept), a stop sequence (ends after its first occurrence,
+    even one spanning the prefill's token and the first decode step's), max_new_tokens, cancel."""
+    mm, p = setup.model, setup.prompts[1]
+    ref = alone(mm, p, "beta", 12, eos=[])  # no eos: the full 12
+    engine = _engine(mm)
+    eos = ref[4]
+    stop_mid, stop_first = ref[6:8], ref[0:2]
+    cut_eos = ref.index(eos) + 1
+    cut_mid = next(i + 2 for i in range(len(ref) - 1) if ref[i:i + 2] == stop_mid)
+    requests = [Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=[eos]),
+                Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=(), stop=[[999], stop_mid]),
+                Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=(), stop=[stop_first]),
+                Request(p, adapter="beta", max_new_tokens=3, eos_token_ids=()),
+                Request(p, adapter="beta", max_new_tokens=1, eos_token_ids=())]
+    handles = engine.generate_many(requests)
+    assert [(h.tokens, h.finish_reason) for h in handles] == [
+        (ref[:cut_eos], "eos"), (ref[:cut_mid], "stop"), (ref[:2], "stop"), (ref[:3], "length"), (ref[:1], "length")]
+    h = engine.submit(p, adapter="beta", max_new_tokens=12, eos_token_ids=())
+    tokens = []
+    for token in h:
+        tokens.append(token)
+        if len(tokens) == 3:
+            h.cancel()
+    assert h.finish_reason == "cancelled" and tokens == ref[:3] == h.tokens and engine.idle
+
+
+def test_sampling_is_reproducible_with_a_seed(setup):
+    """temperature / top_p / top_k with a seed: the same tokens alone and beside other requests (another row, other
+    adapters, greedy neighbours); another seed gives other tokens; greedy rows stay exactly greedy."""
+    mm, p = setup.model, setup.prompts[3]
+    engine = _engine(mm)
+    hot = dict(adapter="gamma", max_new_tokens=10, temperature=1.5, top_p=0.95, top_k=40, eos_token_ids=())
+    solo = engine.generate_many([Request(p, seed=7, **hot)])[0].tokens
+    crowd = engine.generate_many([Request(setup.prompts[0], adapter="alpha", max_new_tokens=9),
+                                  Request(setup.prompts[4], adapter="alpha", max_new_tokens=8),
+                                  Request(p, seed=7, **hot), Request(p, seed=8, **hot)])
+    assert crowd[2].tokens == solo and crowd[3].tokens != solo
+    assert [h.tokens for h in crowd[:2]] == [setup.want[0], setup.want[4]]
+    greedy = alone(mm, p, "gamma", 10, eos=[])
+    assert solo != greedy  # the draw is not the greedy continuation (temperature 1.5 on a random model)
+
+
+def test_streaming_callbacks_and_background_thread(setup):
+    """A handle streams its tokens (iterating drives the engine); on_token sees the same tokens in order; with the
+    engine's own thread, requests submitted from other threads finish and result() waits for them."""
+    mm = setup.model
+    engine = _engine(mm)
+    seen = []
+    h = engine.submit(setup.prompts[0], adapter="alpha", max_new_tokens=9,
+                      on_token=lambda handle, token: seen.append((handle.id, token)))
+    assert list(h) == setup.want[0] == [t for _, t in seen] and {i for i, _ in seen} == {h.id}
+    engine.start()
+    try:
+        results = [None] * 3
+
+        def client(i):
+            results[i] = engine.submit(setup.prompts[i], adapter=WORK[i][1], max_new_tokens=WORK[i][2]).result()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert results == setup.want[:3]
+        assert list(engine.submit(setup.prompts[5], adapter="beta", max_new_tokens=5)) == setup.want[5]
+    finally:
+        engine.stop()
+    assert engine._thread is None
+
+
+def test_grouped_schedule_serves_one_adapter_at_a_time(setup):
+    """schedule="grouped" (the one-adapter-at-a-time baseline): every step's live requests share one adapter, and
+    the tokens are the same."""
+    engine = _engine(setup.model, schedule="grouped")
+    adapters_per_step = []
+
+    def watch(handle, token):
+        adapters_per_step.append({x.handle.request.adapter for x in (*engine._running.values(), *engine._prefilling)})
+
+    handles = engine.generate_many([Request(p, adapter=a, max_new_tokens=m, on_token=watch)
+                                    for p, (_, a, m) in zip(setup.prompts, WORK)])
+    assert [h.tokens for h in handles] == setup.want
+    assert all(len(s) <= 1 for s in adapters_per_step)
+
+
+def test_submit_errors_change_nothing(setup):
+    mm = setup.model
+    engine = _engine(mm)
+    p = setup.prompts[0]
+    with pytest.raises(KeyError, match=r"unknown adapter 'nope'; known: \['alpha', 'beta', 'gamma'\]"):
+        engine.submit(p, adapter="nope", max_new_tokens=4)
+    for kwargs, message in [(dict(prompt_ids=[]), "non-empty"), (dict(prompt_ids=[1, 200]), r"ids \[200\] are outside"),
+                            (dict(prompt_ids=[[1, 2]]), "1-D"), (dict(max_new_tokens=0), "positive int"),
+                            (dict(max_new_tokens=45), "need 49 cache slots, more than max_cache_len=48"),
+                            (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                            (dict(top_k=-2), "top_k"), (dict(seed=1.5), "seed"), (dict(stop=[[]]), "stop"),
+                            (dict(eos_token_ids=["x"]), "eos_token_ids")]:
+        with pytest.raises(ValueError, match=message):
+            engine.submit(**{"prompt_ids": p, "max_new_tokens": 4, **kwargs})
+    with pytest.raises(KeyError, match="nope"):  # one bad request: none of the list is queued
+        engine.generate_many([Request(p, max_new_tokens=4), Request(p, adapter="nope", max_new_tokens=4)])
+    assert engine.idle and engine._next_id == 0  # ids are given when queued
+    with pytest.raises(ValueError, match="schedule"):
+        ServingEngine(mm, schedule="fifo", log=None)
+    other = AdapterStore(attach(copy.deepcopy(setup.base)))
+    with pytest.raises(ValueError, match="another model"):
+        ServingEngine(mm, other, log=None)
+
+
+def test_an_adapter_that_fails_to_load_fails_only_its_request(setup):
+    """A folder registered lazily and broken on disk: its request ends with finish_reason "error" (result() raises
+    with the loader's message); the requests beside it are served as usual."""
+    broken = os.path.join(setup.workdir, "broken")
+    shutil.copytree(os.path.join(setup.workdir, "alpha"), broken)
+    weights = os.path.join(broken, "adapter_model.safetensors")
+    with open(weights, "r+b") as f:
+        f.truncate(os.path.getsize(weights) // 2)
+    store = AdapterStore(setup.model)  # alpha, beta, gamma loaded directly stay usable by name
+    store.register("broken", broken)
+    engine = _engine(setup.model, store=store)
+    bad = engine.submit(setup.prompts[0], adapter="broken", max_new_tokens=4)
+    good = [engine.submit(setup.prompts[i], adapter=WORK[i][1], max_new_tokens=WORK[i][2]) for i in (0, 1)]
+    engine.run()
+    assert [h.tokens for h in good] == setup.want[:2]
+    assert bad.finish_reason == "error" and bad.tokens == []
+    with pytest.raises(RuntimeError, match="cannot be read"):
+        bad.result()
+    assert store.in_use == {} and "broken" not in setup.model.adapters
+
+
+def test_paging_many_adapters_over_few_slots_equals_resident(setup):
+    """16 adapters paged through 3 slots while requests come and go (each request holds its adapter; a request
+    whose adapter finds no slot waits) give the tokens the same adapters give resident (all 16 loaded directly)."""
+    names = [f"a{i}" for i in range(16)]
+    weights = {n: random_adapter(setup.model, seed=100 + i) for i, n in enumerate(names)}
+    resident = attach(copy.deepcopy(setup.base), max_loras=16, max_rank=8)
+    for n in names:
+        resident.load_adapter_weights(n, weights[n])
+    paged = attach(copy.deepcopy(setup.base), max_loras=3, max_rank=8)
+    store = AdapterStore(paged)
+    for n in names:
+        store.register(n, weights[n])
+    work = [(prompt(3 + (5 * i) % 13, seed=50 + i), names[(7 * i) % 16], 2 + i % 4) for i in range(12)]
+    handles = _engine(paged, store=store).generate_many([Request(p, adapter=a, max_new_tokens=m) for p, a, m in work])
+    assert [h.tokens for h in handles] == [alone(resident, p, a, m) for p, a, m in work]
+    c = store.counters
+    assert c.loads >= 12 and c.evictions == c.loads - 3 and store.in_use == {}
+
+
+def _compiled_frames() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])  # Dynamo traces it faster than GPT-OSS
+def test_compiled_no_recompiles_as_requests_come_and_go(setup, family):
+    """compile= (Dynamo with the eager backend: the recompile decisions are Dynamo's, Inductor is not needed to see
+    them): capture() compiles the one bucket's step and the prefill at lengths 1 and 2; then requests of new
+    lengths, rows, adapters, a chunked prefill and a length-1 prompt compile nothing, with the same tokens."""
+    torch._dynamo.reset()
+    counters.clear()
+    engine = _engine(setup.model, batch_sizes=(4,), compile={"backend": "eager"})
+    frames = _compiled_frames()
+    assert frames == 3
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        handles = engine.generate_many([Request(p, adapter=a, max_new_tokens=m)
+                                        for p, (_, a, m) in zip(setup.prompts, WORK)])
+    assert [h.tokens for h in handles] == setup.want
+    assert _compiled_frames() == frames
+    torch._dynamo.reset()
+
+
+# --- GPU -----------------------------------------------------------------------------------------------------------
+def _gpu_models(tmp_path, family, max_loras):
+    """A tiny float32 model on CUDA attached with the Triton ops (``use_ops=True``), three PEFT adapters."""
+    s = build(family, dtype=torch.float32, device=torch.device("cuda"), batch=1, seq_len=4, workdir=str(tmp_path))
+    mm = attach(copy.deepcopy(s.base), max_loras=max_loras, max_rank=8, use_ops=True)
+    return s, mm
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family, compiled", [
+    ("gpt_oss", False),    # eager attention with sinks, sliding window: a dict of masks
+    ("gpt_oss", True),     # the compiled step captured (Inductor, one graph per bucket)
+    ("qwen3_moe", False),  # SDPA, one boolean mask
+])
+def test_gpu_captured_engine_equals_each_alone(tmp_path, family, compiled):
+    """With CUDA graphs (and the Triton ops) the engine's tokens are those of mm.generate alone, and requests
+    coming and going recapture nothing."""
+    s, mm = _gpu_models(tmp_path, family, max_loras=4)
+    for name in ("alpha", "beta", "gamma"):
+        mm.load_adapter(name, str(tmp_path / name))
+    prompts = [prompt(n, seed=i) for i, (n, _, _) in enumerate(WORK)]
+    engine = _engine(mm, compile=compiled)
+    assert engine.graphs.use_graphs and engine.graphs.num_captures == len(engine.graphs.batch_sizes)
+    handles = [engine.submit(p, adapter=a, max_new_tokens=m) for p, (_, a, m) in zip(prompts[:3], WORK)]
+    engine.step()
+    engine.step()
+    handles += [engine.submit(p, adapter=a, max_new_tokens=m) for p, (_, a, m) in zip(prompts[3:], WORK[3:])]
+    engine.run()
+    assert [h.tokens for h in handles] == [alone(mm, p, a, m) for p, (_, a, m) in zip(prompts, WORK)]
+    assert engine.graphs.num_captures == len(engine.graphs.batch_sizes)  # nothing recaptured
+
+
+@pytest.mark.gpu
+def test_gpu_paging_every_step_never_corrupts_a_running_step(tmp_path):
+    """200 steps, an adapter load on every one (side-stream copies into slots of finished requests while the
+    others' steps are queued): a long request and a stream of short ones, each on its own adapter, all equal their
+    tokens with every adapter resident."""
+    s, mm = _gpu_models(tmp_path, "gpt_oss", max_loras=4)
+    names = [f"a{i}" for i in range(16)]
+    weights = {n: random_adapter(mm, seed=200 + i) for i, n in enumerate(names)}
+    resident = attach(copy.deepcopy(s.base), max_loras=16, max_rank=8, use_ops=True)
+    for n in names:
+        resident.load_adapter_weights(n, weights[n])
+    store = AdapterStore(mm)
+    for n in names:
+        store.register(n, weights[n])
+    engine = _engine(mm, store=store, max_cache_len=240)
+    long = engine.submit(prompt(8, seed=1), adapter=names[0], max_new_tokens=200, eos_token_ids=())
+    short = []
+    for i in range(200):  # one new short request per step, adapters cycling over the 15 others
+        short.append(engine.submit(prompt(4, seed=10 + i), adapter=names[1 + i % 15], max_new_tokens=2,
+                                   eos_token_ids=()))
+        engine.step()
+    engine.run()
+    assert store.counters.loads >= 200
+    assert long.tokens == alone(resident, prompt(8, seed=1), names[0], 200, eos=[])
+    for i, h in enumerate(short):
+        assert h.tokens == alone(resident, prompt(4, seed=10 + i), names[1 + i % 15], 2, eos=[]), i
+
+
+@pytest.mark.parametrize("family, kind", [
+    ("gpt_oss", "dict"),     # sliding (window 16) and full layers: a mask per layer type
+    ("qwen3_moe", "full"),   # one causal mask
+    ("mistral", "sliding"),  # one kind of layer, sliding everywhere (window from the config)
+])
+def test_row_masks_against_a_loop(family, kind):
+    """Per-row masks equal their definition, slot by slot: query at position p sees slots s <= p (and s > p - W on
+    sliding layers); additive for eager attention, boolean for SDPA."""
+    from moe_lora_compile.graphs.rows import attention_masks, mask_spec
+    from moe_lora_compile.models.tiny import tiny_config
+
+    config = tiny_config(family, sliding_window=5) if family == "mistral" else tiny_config(family)
+    spec = mask_spec(config, num_slots=24, dtype=torch.float32)
+    positions = torch.tensor([[0, 1], [7, 8], [22, 23]])  # rows at different lengths, two queries each
+    masks = attention_masks(positions, spec)
+    by_type = masks if kind == "dict" else {spec.layer_types[0]: masks}
+    assert set(by_type) == ({"sliding_attention", "full_attention"} if kind == "dict" else
+                            {"full_attention" if kind == "full" else "sliding_attention"})
+    for layer_type, mask in by_type.items():
+        window = {"sliding_attention": 16 if family == "gpt_oss" else 5}.get(layer_type)
+        assert mask.shape == (3, 1, 2, 24) and mask.dtype == torch.float32
+        for b in range(3):
+            for q in range(2):
+                p = int(positions[b, q])
+                for s in range(24):
+                    allowed = s <= p and (window is None or s > p - window)
+                    assert mask[b, 0, q, s].item() == (0.0 if allowed else torch.finfo(torch.float32).min)
+    sdpa = type(spec)(spec.layer_types, spec.windows, spec.num_slots, False, spec.dtype)
+    first = attention_masks(positions, sdpa)
+    first = first[spec.layer_types[0]] if kind == "dict" else first
+    assert first.dtype == torch.bool and torch.equal(first, by_type[spec.layer_types[0]] == 0)
+
+
+def test_models_per_row_masks_cannot_express_are_refused():
+    from moe_lora_compile.graphs.rows import mask_spec
+    from moe_lora_compile.models.tiny import tiny_config
+
+    with pytest.raises(ValueError, match="Llama-4 is not supported"):
+        mask_spec(tiny_config("llama4"), 8, torch.float32)
+    config = tiny_config("qwen3_moe")
+    config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="'flash_attention_2' is not supported"):
+        mask_spec(config, 8, torch.float32)
+    config = tiny_config("gpt_oss", sliding_window=None)
+    with pytest.raises(ValueError, match="without a sliding_window"):
+        mask_spec(config, 8, torch.float32)

@@ -1,0 +1,67 @@
+"""The engine's sampler: draws follow softmax(logits / T) within top-k and the nucleus (checked against the
+distribution computed directly in float64), a row's draw depends only on its own (logits, seed, counter), greedy
+rows are the argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_lora_compile.serving.sampling import sample, uniform_noise
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.9, 1.4])
+
+
+def _expected(logits, temperature, top_p, top_k):
+    """The target distribution, from its definition: softmax(l / T), keep the k most likely, then the fewest most
+    likely tokens whose probability reaches top_p, renormalised (float64)."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    order = p.argsort(descending=True).tolist()
+    keep, mass = [], 0.0
+    for rank, token in enumerate(order):
+        if (top_k and rank >= top_k) or mass >= top_p:
+            break
+        keep.append(token)
+        mass += p[token].item()
+    q = torch.zeros_like(p)
+    q[keep] = p[keep]
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k", [
+    (1.0, 1.0, 0),    # plain softmax
+    (0.7, 1.0, 0),    # temperature sharpens
+    (1.3, 0.8, 0),    # nucleus cuts the tail
+    (1.0, 1.0, 3),    # top-k
+    (2.0, 0.9, 5),    # both: the tighter one wins per token
+])
+def test_draws_follow_the_target_distribution(temperature, top_p, top_k):
+    n = 20000
+    rows = LOGITS.expand(n, -1)
+    full = lambda v: torch.full((n,), v)  # noqa: E731
+    tokens = sample(rows, full(float(temperature)), full(float(top_p)), full(top_k).long(),
+                    torch.full((n,), 1234, dtype=torch.long), torch.arange(n))
+    freq = torch.bincount(tokens, minlength=LOGITS.numel()).double() / n
+    want = _expected(LOGITS, temperature, top_p, top_k)
+    assert torch.all(freq[want == 0] == 0)  # never outside top-k / the nucleus
+    sigma = (want * (1 - want) / n).sqrt()
+    assert torch.all((freq - want).abs() <= 5 * sigma + 1e-9), (freq, want)
+
+
+def test_a_rows_draw_depends_only_on_its_logits_seed_and_counter():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    temp, top_p, top_k = torch.full((6,), 1.2), torch.full((6,), 0.95), torch.zeros(6, dtype=torch.long)
+    seeds, counters = torch.tensor([5, 5, 6, 7, 2**40 + 5, 5]), torch.tensor([0, 1, 0, 0, 0, 0])
+    batch = sample(logits, temp, top_p, top_k, seeds, counters)
+    for row in range(6):
+        alone = sample(logits[row:row + 1], temp[:1], top_p[:1], top_k[:1], seeds[row:row + 1], counters[row:row + 1])
+        assert alone.item() == batch[row].item()
+    noise = uniform_noise(seeds, counters, 50)
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])  # counter, seed matter
+    assert not torch.equal(noise[0], noise[4])  # so do a seed's high 32 bits
+    assert torch.equal(noise[0], noise[5]) and bool(((noise > 0) & (noise < 1)).all())
+    # greedy rows (temperature 0) are the argmax, beside sampled ones
+    temp[::2] = 0
+    mixed = sample(logits, temp, top_p, top_k, seeds, counters)
+    assert torch.equal(mixed[::2], logits[::2].argmax(-1)) and torch.equal(mixed[1::2], batch[1::2])
