@@ -188,8 +188,8 @@ def _looks_like_lora_linear(anchor: Node) -> bool:
 def _looks_like_mixed_rows(anchor: Node) -> bool:
     """An ``index_put`` of ``rows + something`` on a tensor of 2+ dims: PEFT's mixed-adapter step, worth a log."""
     value = skip(anchor.args[2])
-    last = not any(is_call(u, aten.index_put.default) and u.args[0] is anchor for u in anchor.users)
-    return last and len(shape(anchor) or ()) >= 2 and is_call(value, aten.add.Tensor)
+    return len(shape(anchor) or ()) >= 2 and is_call(value, aten.add.Tensor) \
+        and not peft_patterns.feeds_another_row_update(anchor)
 
 
 def fused_op_counts(graph: Graph) -> collections.Counter:

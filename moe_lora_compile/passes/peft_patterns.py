@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_match import NoMatch, aten, insert_call, is_call, require, same, same_shape, shape, sizes_for, skip, val
+from .fx_match import (TRANSPARENT, NoMatch, aten, insert_call, is_call, require, same, same_shape, shape, sizes_for,
+                       skip, val)
 from .linear_patterns import _peft_delta, _terms, _transposed_2d
 
 
@@ -233,17 +234,38 @@ def _adapter_term(put: Node, batched_x: Optional[Node]) -> tuple[MixedAdapter, N
     return MixedAdapter(rows, a, b, scale), source
 
 
+def feeds_another_row_update(put: Node) -> bool:
+    """Whether an ``index_put`` reads ``put`` (through views) as the tensor it writes into: then ``put`` is not the
+    last adapter of a chain."""
+    frontier = list(put.users)
+    while frontier:
+        user = frontier.pop()
+        if is_call(user, aten.index_put.default) and skip(user.args[0]) is put:
+            return True
+        if is_call(user, *TRANSPARENT):
+            frontier += list(user.users)
+    return False
+
+
+def _previous_row_update(node: Node) -> Optional[Node]:
+    """The ``index_put`` behind ``node`` through views that end in its own shape (functionalization's round trips)."""
+    inner = skip(node)
+    return inner if is_call(inner, aten.index_put.default) and same_shape(node, shape(inner)) else None
+
+
 def match_mixed_linear(anchor: Node) -> MixedLinearMatch:
     """Read PEFT's mixed-adapter forward ending at the ``index_put`` ``anchor``: a chain of per-adapter row updates
     on top of ``x W^T (+ b)``."""
     require(is_call(anchor, aten.index_put.default), f"{anchor.name}: not an index_put")
-    require(not any(is_call(u, aten.index_put.default) and u.args[0] is anchor for u in anchor.users),
-            f"{anchor.name}: not the last adapter of the chain")
-    adapters, node, batched_x = [], anchor, None
-    while is_call(node, aten.index_put.default):
-        adapter, batched_x = _adapter_term(node, batched_x)
+    require(not feeds_another_row_update(anchor), f"{anchor.name}: not the last adapter of the chain")
+    adapters, put, batched_x = [], anchor, None
+    while True:
+        adapter, batched_x = _adapter_term(put, batched_x)
         adapters.append(adapter)
-        node = node.args[0]
+        node = put.args[0]
+        put = _previous_row_update(node)
+        if put is None:
+            break
     adapters.reverse()
     terms = _terms(node)
     mms = [t for t in terms if isinstance(t, tuple)]
