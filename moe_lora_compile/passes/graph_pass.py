@@ -143,7 +143,7 @@ class MoELoRAPass(CustomGraphPass):
         target = extend_through_casts(m.anchor, val(m.x).dtype)
         replace(graph, target, fused, sources=chain(m.anchor.args[0]) + chain(m.x) if dense else ())
         self.counts[f"fused_moe_lora[{m.form}]"] += 1
-        merged = [u.merged for u in m.updates or () if u is not None and peft_patterns.returned_by_graph(u.merged)]
+        merged = [u for u in m.updates or () if u is not None and peft_patterns.returned_by_graph(u)]
         if merged:
             self.counts["merged_weight_outputs"] += len(merged)
         log.info("fused_moe_lora <- %s%s", m.describe(), f"; {len(merged)} merged weight(s) stay computed: the "

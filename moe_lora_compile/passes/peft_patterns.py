@@ -34,17 +34,16 @@ from .linear_patterns import _peft_delta, _terms, _transposed_2d
 
 @dataclasses.dataclass(frozen=True)
 class LowRankUpdate:
-    """A merged expert weight ``W + scale * lhs @ rhs``: W ``[E, P, Q]``, lhs ``[E, P, r]``, rhs ``[E, r, Q]``."""
+    """A merged expert weight ``W + sum_i scale_i * lhs_i @ rhs_i`` (one term per active PEFT adapter):
+    W ``[E, P, Q]``, lhs_i ``[E, P, r_i]``, rhs_i ``[E, r_i, Q]``; ``merged``: the merged nodes, outermost first."""
 
-    merged: Node
+    merged: tuple[Node, ...]
     base: Node
-    lhs: Node
-    rhs: Node
-    scale: float
+    terms: tuple[tuple[Node, Node, float], ...]
 
     @property
     def rank(self) -> int:
-        return shape(self.lhs)[2]
+        return sum(shape(lhs)[2] for lhs, _, _ in self.terms)
 
 
 def _number(a) -> Optional[float]:
@@ -52,24 +51,26 @@ def _number(a) -> Optional[float]:
 
 
 def _scaled_bmm(node: Node) -> Optional[tuple[Node, Node, float]]:
-    """``s * bmm(lhs, rhs)`` (either operand order of the mul, ``s`` a Python number; no mul: ``s = 1``)."""
+    """``s * bmm(lhs, rhs)`` (either operand order of the mul, ``s`` a Python number; no mul: ``s = 1``; a rank-1
+    ``bmm`` may be the outer product ``lhs * rhs``)."""
     node, scale = skip(node), 1.0
     if is_call(node, aten.mul.Tensor):
         for t, s in (node.args[:2], node.args[1::-1]):
             if _number(s) is not None and isinstance(t, Node):
                 node, scale = skip(t), _number(s)
                 break
-    if not is_call(node, aten.bmm.default):
-        return None
-    return node.args[0], node.args[1], scale
+    if is_call(node, aten.bmm.default):
+        return node.args[0], node.args[1], scale
+    # a rank-1 bmm as Inductor decomposes it: the outer product [E, P, 1] * [E, 1, Q]
+    if is_call(node, aten.mul.Tensor) and all(isinstance(a, Node) for a in node.args[:2]):
+        lhs, rhs = node.args[:2]
+        if len(shape(lhs) or ()) == 3 and len(shape(rhs) or ()) == 3 and shape(lhs)[2] == 1 and shape(rhs)[1] == 1:
+            return lhs, rhs, scale
+    return None
 
 
-def low_rank_update(weight: Node) -> Optional[LowRankUpdate]:
-    """``baddbmm(W, lhs, rhs, alpha=s)`` or ``W + s * bmm(lhs, rhs)`` of 3-D tensors -> the update, else None.
-
-    ``beta`` must be 1 (PEFT's ``_LoraFactorsProxy``); shapes must chain ``[E, P, Q] = [E, P, r] @ [E, r, Q]``.
-    """
-    node = skip(weight)
+def _one_update(node: Node) -> Optional[tuple[Node, Node, Node, float]]:
+    """``baddbmm(W, lhs, rhs, alpha=s)`` or ``W + s * bmm(lhs, rhs)`` of chaining 3-D shapes -> ``(W, lhs, rhs, s)``."""
     if is_call(node, aten.baddbmm.default):
         if node.kwargs.get("beta", 1) != 1 or _number(node.kwargs.get("alpha", 1)) is None:
             return None
@@ -92,12 +93,26 @@ def low_rank_update(weight: Node) -> Optional[LowRankUpdate]:
     (E, P, Q), (e1, p, r), (e2, r2, q) = shapes
     if not (isinstance(r, int) and r == r2 and all(same(a, b) for a, b in ((E, e1), (E, e2), (P, p), (Q, q)))):
         return None
-    return LowRankUpdate(node, base, lhs, rhs, scale)
+    return base, lhs, rhs, scale
 
 
-def returned_by_graph(node: Node) -> bool:
-    """Whether ``node`` is a graph output (so it stays computed whatever the pass does)."""
-    return any(u.op == "output" for u in node.users)
+def low_rank_update(weight: Node) -> Optional[LowRankUpdate]:
+    """The low-rank updates merged into ``weight`` (``beta`` 1, as PEFT's ``_LoraFactorsProxy``; nested for several
+    active adapters) down to the weight they are added to, else None."""
+    merged, terms, node = [], [], skip(weight)
+    while (found := _one_update(node)) is not None:
+        merged.append(node)
+        base, lhs, rhs, scale = found
+        terms.append((lhs, rhs, scale))
+        node = skip(base)
+    if not terms:
+        return None
+    return LowRankUpdate(tuple(merged), base, tuple(reversed(terms)))
+
+
+def returned_by_graph(update: LowRankUpdate) -> bool:
+    """Whether the graph returns one of the merged weights (so it stays computed whatever the pass does)."""
+    return any(u.op == "output" for node in update.merged for u in node.users)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -105,19 +120,26 @@ def returned_by_graph(node: Node) -> bool:
 
 
 def _factors(graph, u: LowRankUpdate, transposed: bool) -> tuple[Node, Node]:
-    """``(A [E, r, in], s * B [E, out, r])`` of the update, in the op's orientation.
+    """``(A [E, r, in], B [E, out, r])`` of the update in the op's orientation, the scales folded into B and the
+    terms' ranks concatenated (``sum_i B_i A_i = [B_1 .. B_n] [A_1; ..; A_n]``).
 
     ``[E, out, in]`` weights (``x @ W^T``): ``W + s lhs rhs`` is ``B = lhs``, ``A = rhs``. ``[E, in, out]`` weights
     (``x @ W``, transposed): ``x (W + s lhs rhs) = x W + s (x lhs) rhs``, so ``A = lhs^T`` and ``B = rhs^T``.
     """
-    if transposed:
-        a = insert_call(graph, aten.permute.default, (u.lhs, [0, 2, 1]))
-        b = insert_call(graph, aten.permute.default, (u.rhs, [0, 2, 1]))
-    else:
-        a, b = u.rhs, u.lhs
-    if u.scale != 1.0:
-        b = insert_call(graph, aten.mul.Tensor, (b, u.scale))
-    return a, b
+    a_parts, b_parts = [], []
+    for lhs, rhs, scale in u.terms:
+        if transposed:
+            a = insert_call(graph, aten.permute.default, (lhs, [0, 2, 1]))
+            b = insert_call(graph, aten.permute.default, (rhs, [0, 2, 1]))
+        else:
+            a, b = rhs, lhs
+        if scale != 1.0:
+            b = insert_call(graph, aten.mul.Tensor, (b, scale))
+        a_parts.append(a)
+        b_parts.append(b)
+    if len(u.terms) == 1:
+        return a_parts[0], b_parts[0]
+    return insert_call(graph, aten.cat.default, (a_parts, 1)), insert_call(graph, aten.cat.default, (b_parts, 2))
 
 
 def _pad_rank(graph, a: Node, b: Node, rank: int) -> tuple[Node, Node]:
@@ -135,7 +157,7 @@ def lora_stacks(graph, updates: tuple[Optional[LowRankUpdate], Optional[LowRankU
     ``token_lora_ids`` of zeros (every token uses PEFT's one active adapter). ``dims``: ``(E, H, I)`` ints."""
     E, H, I = dims
     rank = max(u.rank for u in updates if u is not None)
-    ref = val(next(u.lhs for u in updates if u is not None))
+    ref = val(next(u.terms[0][0] for u in updates if u is not None))
     opts = dict(dtype=ref.dtype, device=ref.device)
     stacks = []
     for u, (n_in, n_out) in zip(updates, ((H, 2 * I), (I, H))):

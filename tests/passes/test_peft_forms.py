@@ -55,12 +55,18 @@ class MergedExperts(nn.Module):
         r13, r2 = ranks
         self.lhs13, self.rhs13 = rand(E, 2 * I, r13), rand(E, r13, H)
         self.lhs2, self.rhs2 = rand(E, H, r2), rand(E, r2, I)
+        self.second = nn.ParameterList([rand(E, 2 * I, 2), rand(E, 2, H), rand(E, H, 2), rand(E, 2, I)])
 
     def merged(self, w, lhs, rhs, delta):
         if self.spelling == "baddbmm":  # PEFT >= 0.21 on torch 2.13 (Inductor keeps baddbmm)
             return torch.baddbmm(w, lhs, rhs, alpha=self.scale)
+        if self.spelling == "two_adapters":  # functional_expert_lora with two active adapters: nested updates
+            lhs2, rhs2 = self.second[:2] if w.shape[1] == 2 * I else self.second[2:]
+            return torch.baddbmm(torch.baddbmm(w, lhs, rhs, alpha=self.scale), lhs2, rhs2, alpha=0.5)
         if self.spelling == "add_bmm":  # baddbmm decomposed (older torch): W + s * bmm
             return w + torch.bmm(lhs, rhs) * self.scale
+        if self.spelling == "outer":  # a rank-1 bmm as Inductor decomposes it: W + s * (lhs * rhs)
+            return w + self.scale * (lhs * rhs)
         if self.spelling == "gate_up_only":
             return torch.baddbmm(w, lhs, rhs, alpha=self.scale) if w.shape[1] == 2 * I else w
         return w + delta  # "outside_delta": a delta this graph cannot see into (several active adapters)
@@ -77,6 +83,8 @@ MERGED_CASES = [
     ("add_bmm", (4, 4), "fused_moe_lora[peft_pairwise]"),  # the decomposed spelling
     ("baddbmm", (6, 3), "fused_moe_lora[peft_pairwise]"),  # ranks differ (PEFT-converted per-expert gate/up): pad
     ("gate_up_only", (4, 4), "fused_moe_lora[peft_pairwise]"),  # down not adapted: zero factors for it
+    ("two_adapters", (4, 3), "fused_moe_lora[peft_pairwise]"),  # W + s1 l1 r1 + s2 l2 r2: ranks concatenated
+    ("outer", (1, 1), "fused_moe_lora[peft_pairwise]"),  # rank 1, the bmm decomposed into an outer product
     ("outside_delta", (4, 4), "fused_moe_lora[pairwise]"),  # no factors to read: fused on the merged weight
 ]
 
@@ -157,3 +165,38 @@ def test_mixed_adapter_rows(rows, fused):
     assert not any(n.target == torch.ops.aten.index_put.default and len(n.meta["val"].shape) > 1
                    for n in gm.graph.nodes)  # no row update of the output is left, only the slot-id writes
     torch.testing.assert_close(gm(*args), forward(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_functional_expert_lora_with_two_active_adapters():
+    """Two active expert adapters on a real PEFT model, run by :func:`functional_expert_lora`: PEFT's values, and
+    the exported graph's nested merges become one op with the ranks concatenated (4 + 2)."""
+    import copy
+
+    from peft import get_peft_model
+
+    from moe_lora_compile.models.tiny import randomize_lora_, tiny_lora_config
+    from moe_lora_compile.peft_compat import functional_expert_lora
+
+    experts = _qwen3_experts()
+    holder = nn.Module()
+    holder.experts = copy.deepcopy(experts)
+    config = tiny_lora_config("qwen3_moe", target_modules=[], target_parameters=["experts.gate_up_proj",
+                                                                                 "experts.down_proj"])
+    peft_model = get_peft_model(holder, config, adapter_name="one")
+    peft_model.add_adapter("two", tiny_lora_config("qwen3_moe", target_modules=[], r=2, lora_alpha=6,
+                                                   target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    randomize_lora_(peft_model)
+    peft_model.base_model.set_adapter(["one", "two"])
+    wrapped = peft_model.base_model.model.experts
+    x, idx, weights = torch.randn(6, H), torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [1, 0], [3, 2]]), torch.rand(6, 2)
+    with torch.no_grad():
+        want = wrapped(x, idx, weights)
+        assert (want - experts(x, idx, weights)).abs().max() > 1e-2
+        functional_expert_lora(peft_model)
+        torch.testing.assert_close(wrapped(x, idx, weights), want, atol=1e-5, rtol=1e-5)
+    gm, params = _export(wrapped, (x, idx, weights))
+    p = _rewrite(gm)
+    assert dict(p.counts) == {"fused_moe_lora[peft_pairwise]": 1}
+    (fused,) = [n for n in gm.graph.nodes if n.target == torch.ops.moe_lora.fused_moe_lora.default]
+    assert fused.args[6].meta["val"].shape == (1, E, 4 + 2, H)  # lora_a13: one slot, both adapters' ranks
+    torch.testing.assert_close(gm(*params, x, idx, weights)[0], want, atol=1e-5, rtol=1e-5)
