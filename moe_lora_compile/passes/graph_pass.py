@@ -148,6 +148,11 @@ class MoELoRAPass(CustomGraphPass):
             self.counts["merged_weight_outputs"] += len(merged)
         log.info("fused_moe_lora <- %s%s", m.describe(), f"; {len(merged)} merged weight(s) stay computed: the "
                  "graph returns them (PEFT's parametrize cache)" if merged else "")
+        for w in (m.w13, m.w2):
+            if m.lora is None and not m.updates and is_call(skip(w), aten.add.Tensor):
+                log.info("near miss at %s: expert weight %s is a sum whose low-rank factors this graph does not "
+                         "compute (PEFT with several active expert adapters, without functional_expert_lora): "
+                         "fused on the merged weight, which stays computed", m.anchor.name, skip(w).name)
 
     def _rewrite_linear(self, graph: Graph, m) -> None:
         target = extend_through_casts(m.anchor, val(m.x).dtype)

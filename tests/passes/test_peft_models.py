@@ -176,6 +176,7 @@ def _per_expert_mixtral_adapter(path, rank=3, alpha=6):
         json.dump(config, f)
 
 
+@pytest.mark.filterwarnings("ignore:The following (rank|alpha)_pattern keys:RuntimeWarning")  # PEFT's conversion
 def test_peft_converted_per_expert_adapter(tmp_path):
     """PEFT loads per-expert Mixtral keys into its 3-D wrapper: gate/up rank 2r (block-diagonal B), down rank r."""
     torch.manual_seed(0)
