@@ -1,9 +1,11 @@
 """``python -m moe_lora_compile {demo,dump,tune,serve-bench}`` (also the ``moe-lora-compile`` console script).
 
-- ``demo``: a tiny random MoE model (``--family``, Qwen3-MoE by default), three LoRA adapters made and saved with
-  PEFT's own API, compiled with the moe_lora pass, one mixed-adapter batch checked against the eager reference, and
-  a short report (graphs, graph breaks, recompiles, fused ops, tokens/s). On a GPU the fused ops run the Triton
-  kernels; on the CPU their reference impls.
+- ``demo``: both ways in. First a tiny random MoE model (``--family``, Qwen3-MoE by default), three LoRA adapters
+  made and saved with PEFT's own API and loaded into our attached model, compiled with the moe_lora pass, one
+  mixed-adapter batch checked against the eager reference, and a short report (graphs, graph breaks, recompiles,
+  fused ops, tokens/s). Then (unless ``--skip-peft``) a plain PEFT model of the same family compiled with
+  ``torch.compile`` and the pass, checked against PEFT eager (:mod:`.peft_demo`). On a GPU the fused ops run the
+  Triton kernels; on the CPU their reference impls.
 - ``dump``: the same model compiled under ``depyf.prepare_debug(folder)``; prints where the fused ops are.
 - ``tune``: the kernel tuner on a CUDA GPU, :mod:`moe_lora_compile.ops.triton.tune` (its own arguments and ``--help``).
 - ``serve-bench``: ``benchmarks/bench_serving.py`` (the serving benchmark) with the options that follow; its tiny
@@ -127,8 +129,8 @@ def _dynamo_counts() -> tuple[int, int]:
 
 
 def run_demo(family: str = "qwen3_moe", *, dtype: str = "float32", device: Optional[str] = None, batch: int = 4,
-             seq_len: int = 8, workdir: Optional[str] = None, out=None) -> dict:
-    """The demo; prints the report to ``out`` and returns it as a dict."""
+             seq_len: int = 8, workdir: Optional[str] = None, out=None, peft: bool = True) -> dict:
+    """The demo; prints the report to ``out`` and returns it as a dict (the PEFT section's under ``"peft"``)."""
     import torch
 
     from .compile import pass_runs
@@ -165,6 +167,10 @@ def run_demo(family: str = "qwen3_moe", *, dtype: str = "float32", device: Optio
                   compile_s=compile_s, eager_tokens_per_s=eager_tps, compiled_tokens_per_s=compiled_tps,
                   total_s=time.perf_counter() - started)
     print(_format(report), file=out or sys.stdout)
+    if peft:
+        from .peft_demo import demo_section
+
+        report["peft"] = demo_section(family, dtype=dtype, device=device, batch=batch, seq_len=seq_len, out=out)
     return report
 
 
@@ -225,6 +231,8 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument("--batch", type=int, default=4,
                            help="sequences in the mixed batch, adapters assigned round-robin (default 4)")
             p.add_argument("--seq-len", type=int, default=8, help="tokens per sequence (default 8)")
+            p.add_argument("--skip-peft", action="store_true",
+                           help="skip the second section (a plain PEFT model compiled with the pass)")
         else:
             p.add_argument("folder", help="where depyf writes the dump (only files written by this run count)")
     sub.add_parser("tune", add_help=False,  # main() hands its arguments to moe_lora_compile.ops.triton.tune
@@ -296,8 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         moe_lora_compile._load_all()  # registers torch.ops.moe_lora.* (deferred on the command line)
     if args.command == "demo":
         report = run_demo(args.family, dtype=args.dtype, device=args.device, batch=args.batch,
-                          seq_len=args.seq_len)
-        return 0 if report["ok"] and report["recompiles"] == 0 and report["graph_breaks"] == 0 else 1
+                          seq_len=args.seq_len, peft=not args.skip_peft)
+        peft_ok = args.skip_peft or report["peft"]["ok"]
+        return 0 if report["ok"] and report["recompiles"] == 0 and report["graph_breaks"] == 0 and peft_ok else 1
     report = run_dump(args.folder, args.family, dtype=args.dtype, device=args.device)
     return 0 if report.sites else 1
 

@@ -8,6 +8,8 @@ already turned ``mm + add`` into ``addmm``, and 3-D activations into ``reshape -
 - ``peft``: PEFT's single adapter ``base(x) + lora_B(lora_A(x)) * s``: becomes one slot (``A[None]``,
   ``(s B)[None]``) with every token's id 0.
 
+PEFT's mixed-adapter batches (``adapter_names=``) are a chain of row updates, read in :mod:`.peft_patterns`.
+
 Hand-written for the same reasons as :mod:`.moe_patterns` (casts, views and symbolic shapes in many variants).
 """
 

@@ -1,11 +1,15 @@
 """Find MoE expert subgraphs in a post-grad graph and read off the arguments of ``moe_lora::fused_moe_lora``.
 
-Three source forms, all anchored on the final ``pairs.view(T, k, H).sum(dim=1)``:
+Two source forms, both anchored on the final ``pairs.view(T, k, H).sum(dim=1)``:
 
 - ``pairwise``: per (token, k) pair ``bmm`` with gathered expert weights ``w[experts]``: our reference
   (:func:`~moe_lora_compile.ops.reference.fused_moe_lora_reference`, LoRA terms selected by ``token_lora_ids >= 0``)
-  and transformers' ``batched_mm`` experts (no LoRA);
+  and transformers' ``batched_mm`` experts;
 - ``grouped``: transformers' ``grouped_mm`` experts (sort by expert, ``_grouped_mm`` with offsets, inverse permute).
+
+In both, an expert weight may be PEFT's merged ``W + s * lhs @ rhs`` (a ``target_parameters`` adapter,
+:mod:`.peft_patterns`): the match then reads ``W`` and the factors, and its form is tagged ``peft_pairwise`` /
+``peft_grouped``. Llama-4's experts (every token through every expert) are matched in :mod:`.dense_experts`.
 
 Why a hand-written matcher rather than traced ``register_replacement`` patterns: the op has 3 layouts x 2
 activations x 4 bias combinations x 2 routing placements, each again with and without the casts a bf16 model adds,
@@ -27,8 +31,9 @@ import torch
 from torch.fx import Node
 
 from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER
-from ..ops.layout import CONCAT, TRANSPOSED_INTERLEAVED, expert_geometry, layout_of, split_gate_up
+from ..ops.layout import CONCAT, TRANSPOSED_INTERLEAVED, expert_geometry, is_transposed, layout_of, split_gate_up
 from ..ops.reference import glu_activation
+from . import peft_patterns
 from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, is_zero, name, require,
                        same, same_shape, shape, skip, val, where_or_zero)
 
@@ -55,6 +60,7 @@ class Projection:
     lora_ids: Optional[Node] = None  # per-pair slot ids (before clamp)
     bias: Optional[Node] = None
     bias_experts: Optional[Node] = None  # the ids the bias is gathered with
+    update: Optional[peft_patterns.LowRankUpdate] = None  # PEFT's merged weight W + s lhs rhs (then weight is W)
 
 
 @dataclasses.dataclass
@@ -77,10 +83,12 @@ class MoEMatch:
     alpha: float
     limit: float
     routing_weight_on_input: bool
+    updates: Optional[tuple] = None  # PEFT's (gate/up, down) LowRankUpdate, either may be None
 
     def describe(self) -> str:
+        lora = "peft" if self.updates else "yes" if self.lora else "no"
         return (f"{self.form} at {self.anchor.name}: layout={self.layout} activation={self.activation} "
-                f"alpha={self.alpha} limit={self.limit} lora={'yes' if self.lora else 'no'} "
+                f"alpha={self.alpha} limit={self.limit} lora={lora} "
                 f"bias={self.w13_bias is not None}/{self.w2_bias is not None} "
                 f"routing_on_input={self.routing_weight_on_input}")
 
@@ -104,12 +112,13 @@ def _gather(node: Node, rank: int, n_index: int) -> Optional[tuple[Node, list]]:
     if not is_call(node, aten.index.Tensor):
         return None
     src, indices = node.args[0], node.args[1]
-    if len(indices) != n_index or any(i is None for i in indices):
+    if len(indices) != n_index or any(i is None for i in indices) or shape(src) is None:
         return None
-    src = skip(src)
-    if shape(src) is None or len(shape(src)) != rank:
-        return None
-    return src, list(indices)
+    # the source behind views and casts (a weight behind its cast); else the furthest-back node of the gathered
+    # tensor's own shape (x.view(-1, H) of a [B, S, H] input gathers rows of the view, not of the input)
+    candidates = [skip(src)] + [n for n in reversed(chain(src)) if same_shape(n, shape(src))]
+    src = next((n for n in candidates if len(shape(n) or ()) == rank), None)
+    return None if src is None else (src, list(indices))
 
 
 def _bmm_operands(node: Node) -> Optional[tuple]:
@@ -244,7 +253,9 @@ def parse_projection(root: Node, grouped: bool) -> Projection:
     require(len(base) == 1 and len(lora) <= 1 and len(bias) <= 1,
             f"{root.name}: expected one expert matmul (got {len(base)}), <=1 LoRA, <=1 bias")
     w, experts, inp, transposed = base[0]
-    proj = Projection(root, w, transposed, inp, experts)
+    update = peft_patterns.low_rank_update(w)
+    require(not (lora and update), f"{root.name}: both a LoRA term and a merged PEFT weight")
+    proj = Projection(root, update.base if update else w, transposed, inp, experts, update=update)
     if lora:
         proj.lora_a, proj.lora_b, proj.lora_ids, lora_experts, lora_inp = lora[0]
         require(skip(lora_experts) is skip(experts), f"{root.name}: LoRA gathers other expert ids than the base")
@@ -312,12 +323,15 @@ def _scalars(region: list[Node], targets) -> list[float]:
 
 def identify_activation(hs: list[Node], region: list[Node], act: Node, two_i: int) -> tuple[bool, str, float, float]:
     """Which contract activation the nodes compute, by evaluation: ``(interleaved, activation, alpha, limit)``."""
-    require(same_shape(hs[0], (shape(hs[0])[0], two_i)), f"{hs[0].name}: gate/up output is not [P, 2I]")
+    lead = shape(hs[0])[:-1]
+    require(len(lead) in (1, 2) and same(shape(hs[0])[-1], two_i), f"{hs[0].name}: gate/up output is not [..., 2I]")
+    lead = (16,) if len(lead) == 1 else tuple(d if isinstance(d, int) else 4 for d in lead)
     dtype = val(hs[0]).dtype
     gen = torch.Generator().manual_seed(0)
-    probe = (torch.randn(16, two_i, generator=gen) * 5).to(dtype)
+    probe = (torch.randn(*lead, two_i, generator=gen) * 5).to(dtype)
     got = _evaluate(hs, region, act, probe).float()
-    require(got.shape == (16, two_i // 2), f"{act.name}: activation output shape {tuple(got.shape)}")
+    require(got.shape == (*lead, two_i // 2), f"{act.name}: activation output shape {tuple(got.shape)}")
+    got, probe = got.reshape(-1, two_i // 2), probe.reshape(-1, two_i)
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 4e-2
     # the graph's own constants first, the contract's defaults last
     clamps = (aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
@@ -423,8 +437,16 @@ def match_pairwise(anchor: Node) -> MoEMatch:
         require(_has_shape(up.lora_ids, (T, k)), "token_lora_ids are not repeated token-major to the pairs")
         ids = find_in_chain(up.lora_ids, (T,))
     layout = _layout(up.transposed, interleaved)
-    return MoEMatch("pairwise", anchor, x, topk_ids, topk_weights, ids, up.weight, down.weight, lora, up.bias,
-                    down.bias, layout, activation, alpha, limit, routing_on_input)
+    form, updates = _peft_form("pairwise", up, down)
+    return MoEMatch(form, anchor, x, topk_ids, topk_weights, ids, up.weight, down.weight, lora, up.bias,
+                    down.bias, layout, activation, alpha, limit, routing_on_input, updates)
+
+
+def _peft_form(form: str, up: Projection, down: Projection) -> tuple[str, Optional[tuple]]:
+    """``(form, None)``, or ``("peft_" + form, (gate/up update, down update))`` where PEFT merged a weight."""
+    if up.update is None and down.update is None:
+        return form, None
+    return f"peft_{form}", (up.update, down.update)
 
 
 def _has_shape(node: Node, sizes) -> bool:
@@ -479,8 +501,9 @@ def match_grouped(anchor: Node) -> MoEMatch:
     x = find_in_chain(x_flat, (T, H))
     topk_ids = find_in_chain(sort.args[0], (T, k))
     topk_weights = find_in_chain(weights, (T, k))
-    return MoEMatch("grouped", anchor, x, topk_ids, topk_weights, None, up.weight, down.weight, None, up.bias,
-                    down.bias, _layout(up.transposed, interleaved), activation, alpha, limit, False)
+    form, updates = _peft_form("grouped", up, down)
+    return MoEMatch(form, anchor, x, topk_ids, topk_weights, None, up.weight, down.weight, None, up.bias,
+                    down.bias, _layout(up.transposed, interleaved), activation, alpha, limit, False, updates)
 
 
 def _require_offsets_count(offs: Node, sort: Node) -> None:
@@ -512,15 +535,20 @@ def match_moe(anchor: Node) -> MoEMatch:
 # rewrite
 
 
+def _expert_dims(m: MoEMatch) -> tuple[int, int, int]:
+    """``(E, H, I)`` of the matched expert weights (ints: the stacks built from them need static sizes)."""
+    dims = expert_geometry(m.layout, shape(m.w13), shape(m.w2))
+    require(all(isinstance(d, int) for d in dims), "symbolic expert weight shapes")
+    return dims
+
+
 def _no_adapter_stacks(graph, m: MoEMatch):
     """Rank-1, one-slot zero LoRA stacks and all ``-1`` token ids: the op computes just the base MoE (the kernels
     skip every LoRA term of a ``-1`` token; the contract asks for R >= 1)."""
-    w13, w2 = val(m.w13), val(m.w2)
-    E, H, I = expert_geometry(m.layout, w13.shape, w2.shape)
+    E, H, I = _expert_dims(m)
+    w13 = val(m.w13)
     opts = dict(dtype=w13.dtype, device=w13.device)
     shapes = ([1, E, 1, H], [1, E, 2 * I, 1], [1, E, 1, I], [1, E, H, 1])
-    for s in shapes:
-        require(all(isinstance(d, int) for d in s), "symbolic expert weight shapes")
     stacks = tuple(insert_call(graph, aten.full.default, (s, 0.0), opts) for s in shapes)
     T = insert_call(graph, aten.sym_size.int, (m.x, 0)) if not isinstance(shape(m.x)[0], int) else shape(m.x)[0]
     ids = insert_call(graph, aten.full.default, ([T], NO_ADAPTER), dict(dtype=torch.int32, device=w13.device))
@@ -529,7 +557,9 @@ def _no_adapter_stacks(graph, m: MoEMatch):
 
 def emit_fused_moe(graph, m: MoEMatch) -> Node:
     """Insert the ``fused_moe_lora`` call for ``m`` (at the graph's insert point) and return its node."""
-    if m.lora is None:
+    if m.updates:
+        lora, ids = peft_patterns.lora_stacks(graph, m.updates, is_transposed(m.layout), _expert_dims(m), m.x)
+    elif m.lora is None:
         lora, ids = _no_adapter_stacks(graph, m)
     else:
         lora, ids = m.lora, m.token_lora_ids
