@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 import time
 import warnings
 from typing import Callable, Optional, Sequence
@@ -38,6 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..ops.contract import NO_ADAPTER
+from .common import compile_limits, compile_options, say
 from .kv_cache import SharedKVStorage, SlotCache
 
 
@@ -203,20 +203,9 @@ class DecodeGraphs:
         self.query_len = q
         self.use_graphs = bool(capture)
         self.warmup = warmup
-        if not isinstance(compile, (bool, dict)):
-            raise TypeError(f"compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
-        self.compiled = bool(compile)
-        options = dict(compile) if isinstance(compile, dict) else {}
-        if options.get("mode") in ("reduce-overhead", "max-autotune"):
-            raise ValueError(f"compile: mode={options['mode']!r} adds Inductor's own CUDA graphs inside "
-                             f"DecodeGraphs' capture; use the default mode or 'max-autotune-no-cudagraphs'")
-        if "dynamic" in options:
-            raise ValueError("compile: 'dynamic' is chosen here (decode steps static per bucket, prefill dynamic)")
+        options = compile_options(compile)
+        self.compiled = options is not None
         if self.compiled:
-            from ..compile import DEFAULT_INDUCTOR_OPTIONS
-
-            if "mode" not in options:  # torch.compile takes mode or options, not both
-                options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
             self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
             self._prefill_fn = (torch.compile(_prefill_forward, dynamic=True, **options) if compile_prefill
                                 else _prefill_forward)
@@ -290,11 +279,7 @@ class DecodeGraphs:
             return self._decode_fn(self.mm.model, self._input_ids[:batch], **kwargs)
 
     def _compile_limits(self):
-        """Dynamo's per-function recompile limit raised to the number of buckets (one static graph each)."""
-        if not self.compiled:
-            return contextlib.nullcontext()
-        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.batch_sizes) + 2)
-        return torch._dynamo.config.patch(recompile_limit=limit)
+        return compile_limits(self.compiled, len(self.batch_sizes))
 
     def _allocate_cache(self) -> None:
         """Allocate the shared K/V storage with one eager (uncompiled) step of the largest bucket, on the current
@@ -385,10 +370,7 @@ class DecodeGraphs:
         return self
 
     def _say(self, line: str) -> None:
-        if self.log is not None:
-            self.log(line)
-            if self.log is print:
-                sys.stdout.flush()
+        say(self.log, line)
 
     # --- the low-level API -----------------------------------------------------------------------------------
     @torch.no_grad()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import sys
 import time
 from typing import Callable, Optional, Sequence
 
@@ -48,6 +47,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, StaticLayer
 
 from ..ops.contract import NO_ADAPTER
+from .common import compile_limits, compile_options, say
 from .decode import ScalarsWithoutHostCopies
 from .kv_cache import SharedKVStorage
 
@@ -184,27 +184,6 @@ def _row_step_forward(model, input_ids, position_ids, cache, spec, cache_kw, ext
 def _row_prefill_forward(model, input_ids, position_ids, cache, spec, cache_kw, extra) -> Tensor:
     """One prefill chunk of one row (compiled with a dynamic length)."""
     return _run_rows(model, input_ids, position_ids, cache, spec, cache_kw, extra)
-
-
-def compile_options(compile) -> Optional[dict]:
-    """``compile`` (bool or dict of ``torch.compile`` keyword arguments) -> the options, or None when off; the same
-    rules as :class:`~moe_lora_compile.graphs.DecodeGraphs` (no Inductor CUDA graphs inside ours, ``dynamic`` is
-    chosen here)."""
-    if not isinstance(compile, (bool, dict)):
-        raise TypeError(f"compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
-    if not compile:
-        return None
-    options = dict(compile) if isinstance(compile, dict) else {}
-    if options.get("mode") in ("reduce-overhead", "max-autotune"):
-        raise ValueError(f"compile: mode={options['mode']!r} adds Inductor's own CUDA graphs inside our capture; "
-                         f"use the default mode or 'max-autotune-no-cudagraphs'")
-    if "dynamic" in options:
-        raise ValueError("compile: 'dynamic' is chosen here (decode steps static per bucket, prefill dynamic)")
-    if "mode" not in options and options.get("backend", "inductor") == "inductor":
-        from ..compile import DEFAULT_INDUCTOR_OPTIONS
-
-        options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
-    return options
 
 
 class RowGraphs:
@@ -399,10 +378,7 @@ class RowGraphs:
         return self._outputs[batch]
 
     def _compile_limits(self):
-        if not self.compiled:
-            return contextlib.nullcontext()
-        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.batch_sizes) + 2)
-        return torch._dynamo.config.patch(recompile_limit=limit)
+        return compile_limits(self.compiled, len(self.batch_sizes))
 
     def _allocate_cache(self) -> None:
         """Allocate the K/V storage with one eager step of the largest bucket (padding rows) before anything is
@@ -469,7 +445,4 @@ class RowGraphs:
         return self
 
     def _say(self, line: str) -> None:
-        if self.log is not None:
-            self.log(line)
-            if self.log is print:
-                sys.stdout.flush()
+        say(self.log, line)
