@@ -57,7 +57,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args, is_transposed
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args
+from .layout import TRANSPOSED_INTERLEAVED, is_transposed
 from .reference import fused_moe_lora_reference
 
 # E2M1 code -> value (code 8 is -0.0). One home for the table.
@@ -218,7 +219,7 @@ def fused_moe_lora_mxfp4_reference(
     *,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
-    layout: str = "transposed_interleaved",
+    layout: str = TRANSPOSED_INTERLEAVED,
     activation: str = "gptoss_swiglu",
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
