@@ -1,0 +1,48 @@
+"""What :class:`~moe_lora_compile.graphs.DecodeGraphs` and :class:`~moe_lora_compile.graphs.RowGraphs` share: the
+compile options of a captured step, Dynamo's recompile limit per bucket, progress lines."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Callable, Optional
+
+import torch
+
+
+def compile_options(compile) -> Optional[dict]:
+    """``compile`` (bool, or a dict of ``torch.compile`` keyword arguments) -> the keyword arguments, or None when
+    off. Inductor's own CUDA graphs (``reduce-overhead``, ``max-autotune``) are refused: our capture holds the step
+    in a CUDA graph already; ``dynamic`` is chosen by the caller (steps static per bucket, prefill dynamic).
+    Inductor's options default to :data:`moe_lora_compile.compile.DEFAULT_INDUCTOR_OPTIONS`."""
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(f"compile must be a bool or a dict of torch.compile keyword arguments, got {compile!r}")
+    if not compile:
+        return None
+    options = dict(compile) if isinstance(compile, dict) else {}
+    if options.get("mode") in ("reduce-overhead", "max-autotune"):
+        raise ValueError(f"compile: mode={options['mode']!r} adds Inductor's own CUDA graphs inside our capture; "
+                         f"use the default mode or 'max-autotune-no-cudagraphs'")
+    if "dynamic" in options:
+        raise ValueError("compile: 'dynamic' is chosen here (decode steps static per bucket, prefill dynamic)")
+    if "mode" not in options and options.get("backend", "inductor") == "inductor":  # mode or options, not both
+        from ..compile import DEFAULT_INDUCTOR_OPTIONS
+
+        options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
+    return options
+
+
+def compile_limits(compiled: bool, num_buckets: int):
+    """Context: Dynamo's per-function recompile limit raised to the buckets' count (one static graph each)."""
+    if not compiled:
+        return contextlib.nullcontext()
+    limit = max(torch._dynamo.config.recompile_limit, 2 * num_buckets + 2)
+    return torch._dynamo.config.patch(recompile_limit=limit)
+
+
+def say(log: Optional[Callable[[str], None]], line: str) -> None:
+    """A progress line through ``log`` (None: silent; ``print``: flushed at once)."""
+    if log is not None:
+        log(line)
+        if log is print:
+            sys.stdout.flush()
