@@ -2,8 +2,8 @@
 
 Notation: T tokens, H hidden, I expert intermediate, E experts, k top-k, L adapter slots, R slot rank.
 
-Base expert weights keep the model's own layout (``concat``, ``transposed_concat``, ``transposed_interleaved``:
-shapes and gate/up order in :mod:`.layout`).
+Base expert weights keep the model's own layout (``concat``, ``interleaved``, ``transposed_concat``,
+``transposed_interleaved``: shapes and gate/up order in :mod:`.layout`).
 
 LoRA stacks always use vLLM's 3-D layout, the 2I axis in the base weight's own gate/up order and the scaling
 already folded into B: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``, ``lora_b2 [L,E,H,R]``.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import CONCAT, check_layout, is_transposed
+from .layout import check_layout, is_transposed
 
 NO_ADAPTER = -1  # token_lora_ids value of a token without adapter (data, never a Python branch)
 ACTIVATIONS = ("silu", "gptoss_swiglu")
@@ -102,10 +102,10 @@ def check_fused_moe_lora_args(
         _expect_dim("w2", w2, 2, H, f"[E, I, H] for layout {layout!r}")
         I = w2.shape[1]
     else:
-        _expect_dim("w13", w13, 2, H, f"[E, 2I, H] for layout {CONCAT!r}")
+        _expect_dim("w13", w13, 2, H, f"[E, 2I, H] for layout {layout!r}")
         two_i = w13.shape[1]
-        _expect_dim("w2", w2, 0, E, f"[E, H, I] for layout {CONCAT!r}")
-        _expect_dim("w2", w2, 1, H, f"[E, H, I] for layout {CONCAT!r}")
+        _expect_dim("w2", w2, 0, E, f"[E, H, I] for layout {layout!r}")
+        _expect_dim("w2", w2, 1, H, f"[E, H, I] for layout {layout!r}")
         I = w2.shape[2]
     torch._check_value(
         two_i == 2 * I,

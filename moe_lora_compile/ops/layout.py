@@ -6,12 +6,14 @@ Notation: E experts, H hidden, I expert intermediate. Base expert weights keep t
 layout                     w13              w2            gate/up order inside the 2I axis
 =========================  ===============  ============  ====================================
 ``concat``                 ``[E, 2I, H]``   ``[E, H, I]`` gate ``[0, I)``, up ``[I, 2I)``
+``interleaved``            ``[E, 2I, H]``   ``[E, H, I]`` gate ``0::2``, up ``1::2`` (vLLM's GPT-OSS)
 ``transposed_concat``      ``[E, H, 2I]``   ``[E, I, H]`` same, along the last axis (Llama-4)
 ``transposed_interleaved`` ``[E, H, 2I]``   ``[E, I, H]`` gate ``0::2``, up ``1::2`` (GPT-OSS)
 =========================  ===============  ============  ====================================
 
 ``concat``: Qwen2/3-MoE, OLMoE, Mixtral, DeepSeek-V3 (which family uses which: the family table,
-:mod:`moe_lora_compile.models.families`). A weight is ``[E, out, in]`` (``concat``) or ``[E, in, out]``
+:mod:`moe_lora_compile.models.families`). ``interleaved``: vLLM's own GPT-OSS experts (``w13 [E, 2I, H]`` with its
+``swigluoai`` activation reading gate/up from alternating rows; no transformers family stores it). A weight is ``[E, out, in]`` (``concat``) or ``[E, in, out]``
 (``transposed_*``), for w13 (``in = H``, ``out = 2I``) and w2 (``in = I``, ``out = H``) alike. LoRA stacks
 (``lora_b13 [L, E, 2I, R]``) put their 2I axis in the base weight's own gate/up order.
 
@@ -28,11 +30,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-Layout = Literal["concat", "transposed_concat", "transposed_interleaved"]
+Layout = Literal["concat", "interleaved", "transposed_concat", "transposed_interleaved"]
 CONCAT: Layout = "concat"
+INTERLEAVED: Layout = "interleaved"
 TRANSPOSED_CONCAT: Layout = "transposed_concat"
 TRANSPOSED_INTERLEAVED: Layout = "transposed_interleaved"
-LAYOUTS: tuple[Layout, ...] = (CONCAT, TRANSPOSED_CONCAT, TRANSPOSED_INTERLEAVED)
+LAYOUTS: tuple[Layout, ...] = (CONCAT, INTERLEAVED, TRANSPOSED_CONCAT, TRANSPOSED_INTERLEAVED)
 
 
 def check_layout(layout: str) -> None:
@@ -47,16 +50,14 @@ def is_transposed(layout: str) -> bool:
 
 
 def is_interleaved(layout: str) -> bool:
-    """True when gate and up alternate along the 2I axis (GPT-OSS)."""
-    return layout == TRANSPOSED_INTERLEAVED
+    """True when gate and up alternate along the 2I axis (GPT-OSS, transformers' or vLLM's)."""
+    return layout in (INTERLEAVED, TRANSPOSED_INTERLEAVED)
 
 
 def layout_of(*, transposed: bool, interleaved: bool) -> Layout:
-    """The layout with these two properties; ValueError for interleaved ``[E, 2I, H]`` weights (no such layout)."""
+    """The layout with these two properties."""
     if interleaved:
-        if not transposed:
-            raise ValueError("interleaved gate/up with [E, 2I, H] weights is not a layout of the op contract")
-        return TRANSPOSED_INTERLEAVED
+        return TRANSPOSED_INTERLEAVED if transposed else INTERLEAVED
     return TRANSPOSED_CONCAT if transposed else CONCAT
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_harness import PROMPTS, MAX_TOKENS, RUNS, run_child, save_peft, save_per_expert
+from vllm_harness import PROMPTS, MAX_TOKENS, RUNS, family_of, run_child, save_peft, save_per_expert
 
 
 @pytest.fixture(scope="session")
@@ -57,16 +57,40 @@ def vllm_setup(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def peft_tokens(vllm_setup):
-    """``{(adapter name or None, prompt index): PEFT's greedy tokens}`` for every adapter and prompt."""
+def vllm_gptoss_setup(tmp_path_factory):
+    """Like :func:`vllm_setup` for a tiny GPT-OSS (interleaved gate/up, expert biases, clamped swiglu, sinks):
+    PEFT adapters ``A`` (q/v/o + 3-D experts, rank 4) and ``B`` (o_proj + 3-D experts, rank 8)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed in this venv; see tests/integrations/conftest.py")
+    from transformers import AutoModelForCausalLM
+
+    from moe_lora_compile.models.tiny import tiny_config
+
+    root = tmp_path_factory.mktemp("vllm_plugin_gptoss")
+    torch.manual_seed(0)
+    cfg = tiny_config("gpt_oss", head_dim=64)  # vLLM's CPU attention wants head_dim 64
+    cfg.architectures = ["GptOssForCausalLM"]
+    # vLLM's GPT-OSS always builds YaRN rotary embeddings from these keys (transformers computes the same YaRN)
+    cfg.rope_parameters = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                           "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False}
+    model_dir = str(root / "model")
+    AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(model_dir)
+    paths = {name: str(root / f"adapter_{name}") for name in "AB"}
+    save_peft(model_dir, paths["A"], r=4, targets=["q_proj", "v_proj", "o_proj"], seed=1, family="gpt_oss")
+    save_peft(model_dir, paths["B"], r=8, targets=["o_proj"], seed=2, family="gpt_oss")
+    adapters = {name: dict(path=path, is_3d=True, peft=path) for name, path in paths.items()}
+    return {"model": model_dir, "root": root, "adapters": adapters}
+
+
+def _peft_greedy(setup):
+    """``{(adapter name or None, prompt index): PEFT's greedy tokens}`` for every adapter of ``setup``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     tokens = {}
-    for name in (None, *vllm_setup["adapters"]):
-        model = AutoModelForCausalLM.from_pretrained(vllm_setup["model"]).eval()
+    for name in (None, *setup["adapters"]):
+        model = AutoModelForCausalLM.from_pretrained(setup["model"]).eval()
         if name is not None:
-            model = PeftModel.from_pretrained(model, vllm_setup["adapters"][name]["peft"]).eval()
+            model = PeftModel.from_pretrained(model, setup["adapters"][name]["peft"]).eval()
         for i, prompt in enumerate(PROMPTS):
             ids = torch.tensor([prompt])
             with torch.no_grad():
@@ -77,12 +101,31 @@ def peft_tokens(vllm_setup):
 
 
 @pytest.fixture(scope="session")
-def served(vllm_setup):
+def peft_tokens(vllm_setup):
+    """PEFT's greedy tokens on the tiny Qwen3-MoE (see :func:`_peft_greedy`)."""
+    return _peft_greedy(vllm_setup)
+
+
+@pytest.fixture(scope="session")
+def gptoss_peft_tokens(vllm_gptoss_setup):
+    """PEFT's greedy tokens on the tiny GPT-OSS (see :func:`_peft_greedy`)."""
+    return _peft_greedy(vllm_gptoss_setup)
+
+
+@pytest.fixture(scope="session")
+def setup_of(request):
+    """``setup_of(fmt)`` -> the model and adapters a run serves (:func:`vllm_setup` or :func:`vllm_gptoss_setup`)."""
+    return lambda fmt: request.getfixturevalue("vllm_gptoss_setup" if family_of(fmt) == "gpt_oss" else "vllm_setup")
+
+
+@pytest.fixture(scope="session")
+def served(setup_of):
     """``served(fmt)`` -> ``(child, result, dump path)`` of the plugin-enabled run ``RUNS[fmt]``, run once."""
     cache = {}
 
     def get(fmt: str):
         if fmt not in cache:
+            vllm_setup = setup_of(fmt)
             run = RUNS[fmt]
             dump = str(vllm_setup["root"] / f"stacks_{fmt}.pt")
             child, result = run_child(vllm_setup, plugin=True, fmt=fmt, adapters=run["adapters"],

@@ -1,6 +1,6 @@
 """The vLLM plugin (``moe_lora_compile.integrations.vllm``) end to end: ``vllm.LLM`` on the CPU with LoRA on a tiny
-Qwen3-MoE, through both of vLLM's MoE LoRA wrappers (2-D ``FusedMoEWithLoRA`` under mixed format, 3-D
-``FusedMoE3DWithLoRA``): greedy tokens per row equal to PEFT's, one ``fused_moe_lora`` call per MoE layer per step,
+Qwen3-MoE and a tiny GPT-OSS, through both of vLLM's MoE LoRA wrappers (2-D ``FusedMoEWithLoRA`` under mixed
+format, 3-D ``FusedMoE3DWithLoRA``): greedy tokens per row equal to PEFT's, one ``fused_moe_lora`` call per MoE layer per step,
 whose result becomes the layer's output without a copy; and, without the plugin, the stock crash (strict xfail: it
 turns red the day vLLM fixes it). The adapters, the runs and how to install vLLM: ``conftest.py``. Skips without
 vLLM.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_harness import EXPECTED_WRAPPER, MAX_TOKENS, PROMPTS, RUNS, run_child
+from vllm_harness import EXPECTED_WRAPPER, MAX_TOKENS, PROMPTS, RUNS, family_of, is_mixed, run_child
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; see tests/integrations/conftest.py")
 
@@ -20,14 +20,19 @@ from moe_lora_compile.models.tiny import tiny_config  # noqa: E402
 @pytest.mark.parametrize("fmt", [
     "mixed",  # 2-D stacks (gate/up apart), re-seated once as rank-2r views; PEFT 3-D and per-expert 2-D adapters
     "3d",     # 3-D stacks read as they are
+    "gptoss_3d",     # GPT-OSS (swigluoai): interleaved layout, expert biases, clamped swiglu; 3-D stacks as they are
+    "gptoss_mixed",  # GPT-OSS, 2-D stacks: gate / up B re-seated on B13's even / odd rows
 ])
-def test_plugin_mixed_batches_match_peft_one_op_call_per_layer_and_step(served, peft_tokens, fmt):
+def test_plugin_mixed_batches_match_peft_one_op_call_per_layer_and_step(served, request, fmt):
+    peft_tokens = request.getfixturevalue("gptoss_peft_tokens" if family_of(fmt) == "gpt_oss" else "peft_tokens")
     child, result, _ = served(fmt)
     log = child.stderr + child.stdout
     assert result["moe_lora_classes"] == [EXPECTED_WRAPPER[fmt]]
-    assert f"MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora ({'2-D' if fmt == 'mixed' else '3-D'}" in log
+    how = ("2-D" if is_mixed(fmt) else "3-D") + (" stacks, interleaved layout, gptoss_swiglu" if
+                                                 family_of(fmt) == "gpt_oss" else " stacks, concat layout, silu")
+    assert f"MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora ({how})" in log
     assert "uses vLLM's own TritonExperts path" not in log  # no layer fell back
-    n_layers = tiny_config("qwen3_moe").num_hidden_layers
+    n_layers = tiny_config(family_of(fmt)).num_hidden_layers
     names = (None, *RUNS[fmt]["adapters"])
     for i in range(len(PROMPTS)):  # the adapters change the greedy tokens, so equality means each row got its own
         assert len({tuple(peft_tokens[(name, i)]) for name in names}) == len(names), i

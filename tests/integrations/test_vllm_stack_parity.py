@@ -3,7 +3,7 @@ adapter folders: after the engine runs of ``test_vllm_plugin.py`` (conftest.py),
 vLLM's stacks as vLLM's loader filled them and the stacks the op reads. Skips without vLLM.
 
 - The op's stacks are vLLM's stacks converted: 3-D, the very tensors; 2-D, ``A13 = [A_gate; A_up]``, ``B13``
-  block-diagonal, w2 zero-padded to rank 2r; and vLLM's tensors live in the op stacks' storage (no copy per step).
+  block-diagonal (GPT-OSS: gate rows even, up rows odd, as in its base w13), w2 zero-padded to rank 2r; and vLLM's tensors live in the op stacks' storage (no copy per step).
 - Per adapter slot and expert, the deltas the op applies (``B13 @ A13``, ``B2 @ A2``, scaling included) equal those
   of :meth:`MultiLoRAModel.parse_adapter` on the same folder (PEFT 3-D and per-expert 2-D layouts); free slots are
   zero.
@@ -14,13 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_harness import RUNS
+from vllm_harness import RUNS, family_of
 
 pytest.importorskip("vllm", reason="vLLM is not installed in this venv; see tests/integrations/conftest.py")
 
 
-def _converted(vllm_stacks):
-    """The op's stacks built here from vLLM's (independently of the plugin's in-place re-seating)."""
+def _converted(vllm_stacks, interleaved=False):
+    """The op's stacks built here from vLLM's (independently of the plugin's in-place re-seating); ``interleaved``:
+    gate / up rows of B13 alternate (GPT-OSS)."""
     (a2,), (b2,) = vllm_stacks["w2_lora_a_stacked"], vllm_stacks["w2_lora_b_stacked"]
     if len(vllm_stacks["w13_lora_a_stacked"]) == 1:
         (a13,), (b13,) = vllm_stacks["w13_lora_a_stacked"], vllm_stacks["w13_lora_b_stacked"]
@@ -28,7 +29,10 @@ def _converted(vllm_stacks):
     (a_g, a_u), (b_g, b_u) = vllm_stacks["w13_lora_a_stacked"], vllm_stacks["w13_lora_b_stacked"]
     L, E, I, r = b_g.shape
     b13 = torch.zeros(L, E, 2 * I, 2 * r)
-    b13[:, :, :I, :r], b13[:, :, I:, r:] = b_g, b_u
+    if interleaved:
+        b13[:, :, 0::2, :r], b13[:, :, 1::2, r:] = b_g, b_u
+    else:
+        b13[:, :, :I, :r], b13[:, :, I:, r:] = b_g, b_u
     zeros_a2, zeros_b2 = torch.zeros_like(a2), torch.zeros_like(b2)
     return (torch.cat([a_g, a_u], dim=2), b13, torch.cat([a2, zeros_a2], dim=2), torch.cat([b2, zeros_b2], dim=3))
 
@@ -36,12 +40,15 @@ def _converted(vllm_stacks):
 @pytest.mark.parametrize("fmt", [
     "mixed",  # vLLM's 2-D stacks (its loader split PEFT 3-D adapters into gate/up; C is per-expert on disk)
     "3d",     # vLLM's 3-D stacks
+    "gptoss_3d",     # GPT-OSS's 3-D stacks (B13 rows interleaved like its base w13)
+    "gptoss_mixed",  # GPT-OSS's 2-D stacks (vLLM's loader split gate / up; the op's B13 interleaves them again)
 ])
-def test_op_stacks_are_vllms_stacks_converted_and_match_our_loader(served, vllm_setup, fmt):
+def test_op_stacks_are_vllms_stacks_converted_and_match_our_loader(served, setup_of, fmt):
     from transformers import AutoModelForCausalLM
 
     import moe_lora_compile as mlc
 
+    vllm_setup = setup_of(fmt)
     _, result, dump = served(fmt)
     data = torch.load(dump)
     assert data["layers"], "no MoE LoRA layer dumped"
@@ -53,7 +60,7 @@ def test_op_stacks_are_vllms_stacks_converted_and_match_our_loader(served, vllm_
     for layer_name, layer in data["layers"].items():
         assert layer["in_place"], f"{layer_name}: vLLM's stacks are not views of the op's"
         op = layer["op"]
-        for got, want in zip(op, _converted(layer["vllm"])):
+        for got, want in zip(op, _converted(layer["vllm"], interleaved=family_of(fmt) == "gpt_oss")):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         a13, b13, a2, b2 = op
         for name, weights in ours.items():

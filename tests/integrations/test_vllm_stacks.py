@@ -1,7 +1,10 @@
 """The vLLM plugin's tensor side (:mod:`moe_lora_compile.integrations.vllm.stacks`) without vLLM: stacks shaped and
 written the way vLLM 0.32's ``FusedMoEWithLoRA`` (2-D) and ``FusedMoE3DWithLoRA`` (3-D) shape and write them, built
 here, run through :func:`experts_forward` and compared with a float64 reference computed from vLLM's own factors,
-and with the op called on freshly built stacks (parity). Runs on the CPU (the op's reference impl) and, marked gpu,
+and with the op called on freshly built stacks (parity). Three of vLLM's activations: ``silu`` (Qwen3-MoE),
+``swigluoai`` (GPT-OSS: w13 rows and B13 rows gate/up interleaved, expert biases) and ``swigluoai_uninterleave``
+(the same clamped swiglu on concatenated rows, alpha / limit from vLLM's activation config); the reference writes
+each out as vLLM defines it. Runs on the CPU (the op's reference impl) and, marked gpu,
 on CUDA (the Triton kernels; the H200 image has no vLLM), there also under CUDA-graph replay.
 
 What only the vLLM venv exercises (``test_vllm_plugin.py``, ``test_vllm_stack_parity.py``): vLLM's own loader and
@@ -16,8 +19,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_lora_compile.integrations.vllm.stacks import (adopt_or_copy, experts_forward, keep_unmapped_rows_unadapted,
-                                                       op_stacks, slot_ids)
+from moe_lora_compile.integrations.vllm.stacks import (SILU, SWIGLUOAI, OpActivation, adopt_or_copy, experts_forward,
+                                                       keep_unmapped_rows_unadapted, op_activation, op_stacks,
+                                                       slot_ids)
 
 HAS_CUDA = torch.cuda.is_available()
 # (E, H, I, k, L, r): CPU tiny (2I != H); GPU a few hundred wide, several experts per token
@@ -25,6 +29,13 @@ CPU_GEOMETRY = (4, 32, 24, 2, 3, 4)
 GPU_GEOMETRY = (16, 256, 128, 4, 4, 16)
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}  # vs float64
 PARITY_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}  # same op
+# vLLM's activation -> (its name, ApplyMoEActivationConfig fields clamp_limit / alpha / beta, expert biases, input
+# scale: large enough that swigluoai's fixed limit 7 clamps some entries)
+ACTIVATIONS = {
+    "silu": ("silu", dict(), False, 1.0),
+    "swigluoai": ("swigluoai", dict(), True, 6.0),
+    "uninterleave": ("swigluoai_uninterleave", dict(clamp_limit=0.8, alpha=1.5, beta=1.0), True, 1.0),
+}
 
 
 def _vllm_stacks(fmt, L, E, H, I, r, dtype, device):
@@ -49,15 +60,38 @@ def _set_lora(stacks, slot, rank, gen):
             part.copy_(torch.randn(part.shape, generator=gen).to(t) * scale)
 
 
-def _deltas(stacks):
-    """Dense per-slot deltas from vLLM's factors, float64: dW13 ``[L,E,2I,H]``, dW2 ``[L,E,H,I]``."""
+def _deltas(stacks, kind="silu"):
+    """Dense per-slot deltas from vLLM's factors, float64: dW13 ``[L,E,2I,H]`` (rows in the base w13's order: gate
+    and up interleaved for swigluoai), dW2 ``[L,E,H,I]``."""
     w13_a, w13_b, (a2,), (b2,) = [[t.double() for t in g] for g in stacks]
-    d13 = torch.cat([b @ a for a, b in zip(w13_a, w13_b)], dim=2)
+    parts = [b @ a for a, b in zip(w13_a, w13_b)]
+    if len(parts) == 1:  # 3-D: vLLM's B13 rows are already in the base weight's order
+        d13 = parts[0]
+    elif kind == "swigluoai":  # 2-D gate / up deltas, row j of each to rows 2j / 2j+1
+        d13 = torch.stack(parts, dim=3).flatten(2, 3)
+    else:
+        d13 = torch.cat(parts, dim=2)
     return d13, b2 @ a2
 
 
-def _reference(x, w13, w2, topk_weights, topk_ids, ids, d13, d2):
-    """float64 MoE layer, each token's delta from its own slot (-1 = none), gate rows first, SiLU."""
+def _activate(h, kind):
+    """vLLM's activations on ``h [..., 2I]``, float64, as vLLM 0.32 defines them."""
+    name, cfg, _, _ = ACTIVATIONS[kind]
+    if name == "silu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if name == "swigluoai":  # SwigluOAIAndMul: alpha 1.702, limit 7, gate even rows, up odd rows
+        gate, up = h[..., ::2].clamp(max=7.0), h[..., 1::2].clamp(-7.0, 7.0)
+        return (up + 1) * gate * torch.sigmoid(1.702 * gate)
+    gate, up = h.chunk(2, dim=-1)  # SiluAndMulWithClamp: gate * sigmoid(alpha gate) * (up + beta), clamped
+    limit = cfg["clamp_limit"]
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(cfg["alpha"] * gate) * (up + cfg["beta"])
+
+
+def _reference(x, w13, w2, topk_weights, topk_ids, ids, d13, d2, kind="silu", b13=None, b2=None):
+    """float64 MoE layer, each token's delta from its own slot (-1 = none), vLLM's activation ``kind``, biases
+    added to each expert's projections before the routing weight."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
     has = (ids >= 0).double()[:, None, None, None]
     slot = ids.clamp(min=0).long()[:, None].expand_as(topk_ids).long()
@@ -65,16 +99,19 @@ def _reference(x, w13, w2, topk_weights, topk_ids, ids, d13, d2):
     W13 = w13[e] + has * d13[slot, e]            # [T, k, 2I, H]
     W2 = w2[e] + has * d2[slot, e]               # [T, k, H, I]
     h = torch.einsum("tkoh,th->tko", W13, x)
-    gate, up = h.chunk(2, dim=-1)
-    out = torch.einsum("tkhi,tki->tkh", W2, F.silu(gate) * up)
+    if b13 is not None:
+        h = h + b13.double()[e]
+    out = torch.einsum("tkhi,tki->tkh", W2, _activate(h, kind))
+    if b2 is not None:
+        out = out + b2.double()[e]
     return (topk_weights.double()[..., None] * out).sum(1)
 
 
-def _problem(fmt, device, dtype, T, geometry, seed=0):
+def _problem(fmt, device, dtype, T, geometry, seed=0, x_scale=1.0):
     E, H, I, k, L, r = geometry
     gen = torch.Generator().manual_seed(seed)
     rand = lambda *shape, s=1.0: (torch.randn(shape, generator=gen) * s).to(device=device, dtype=dtype)  # noqa: E731
-    x = rand(T, H)
+    x = rand(T, H, s=x_scale)
     w13, w2 = rand(E, 2 * I, H, s=H ** -0.5), rand(E, H, I, s=I ** -0.5)
     topk_ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(device, torch.int32)
     topk_weights = torch.rand(T, k, generator=gen).softmax(-1).to(device)
@@ -94,24 +131,32 @@ class _CountingOp:
         return y
 
 
-def _check_forward(fmt, device, dtype, T, geometry):
-    x, w13, w2, topk_weights, topk_ids, ids, stacks, gen = _problem(fmt, device, dtype, T, geometry)
+def _check_forward(fmt, device, dtype, T, geometry, kind="silu"):
+    name, cfg, biased, x_scale = ACTIVATIONS[kind]
+    activation = op_activation(name, **cfg)
+    x, w13, w2, topk_weights, topk_ids, ids, stacks, gen = _problem(fmt, device, dtype, T, geometry, x_scale=x_scale)
+    E, H, I = geometry[:3]
+    b13, b2 = ((torch.randn(E, 2 * I, generator=gen).to(device, dtype), torch.randn(E, H, generator=gen).to(device,
+               dtype)) if biased else (None, None))
     r = geometry[5]
     _set_lora(stacks, 0, r, gen)             # before re-seating: its values must be carried over
-    packed = op_stacks(*stacks)
+    packed = op_stacks(*stacks, layout=activation.layout)
     _set_lora(stacks, 1, r // 2, gen)        # after: a lower-rank adapter written through vLLM's tensors
     _set_lora(stacks, 0, r, gen)             # and a hot swap of slot 0; slot L-1 stays free (zeros)
     op = _CountingOp()
-    output = torch.empty(T, geometry[1], dtype=dtype, device=device)
-    assert experts_forward(output, x, w13, w2, topk_weights, topk_ids, ids, packed, op=op) is output
+    output = torch.empty(T, H, dtype=dtype, device=device)
+    assert experts_forward(output, x, w13, w2, topk_weights, topk_ids, ids, packed, activation=activation,
+                           w13_bias=b13, w2_bias=b2, op=op) is output
     assert op.calls == 1
     assert output.data_ptr() == op.results[0].data_ptr()  # the op's result became the output: no copy
-    want = _reference(x, w13, w2, topk_weights, topk_ids, ids, *_deltas(stacks))
+    want = _reference(x, w13, w2, topk_weights, topk_ids, ids, *_deltas(stacks, kind), kind, b13, b2)
     torch.testing.assert_close(output.double(), want, **TOL[dtype])
     fresh = [t.clone() for t in packed]  # parity: the op on stacks that were never views of anything
-    again = torch.ops.moe_lora.fused_moe_lora(x, topk_ids, topk_weights, ids, w13, w2, *fresh)
+    again = torch.ops.moe_lora.fused_moe_lora(x, topk_ids, topk_weights, ids, w13, w2, *fresh, w13_bias=b13,
+                                              w2_bias=b2, **activation._asdict())
     torch.testing.assert_close(output, again, **PARITY_TOL[dtype])
-    base = _reference(x, w13, w2, topk_weights, topk_ids, torch.full_like(ids, -1), *_deltas(stacks))
+    base = _reference(x, w13, w2, topk_weights, topk_ids, torch.full_like(ids, -1), *_deltas(stacks, kind), kind,
+                      b13, b2)
     assert (want - base).abs().max() > 10 * TOL[dtype]["atol"]  # the adapters matter at this tolerance
 
 
@@ -123,8 +168,13 @@ def _check_forward(fmt, device, dtype, T, geometry):
     1,  # one decode token (a base row: slot -1)
     9,  # every slot and base rows mixed
 ])
-def test_experts_forward_cpu_matches_reference_from_vllms_factors(fmt, T):
-    _check_forward(fmt, "cpu", torch.float32, T, CPU_GEOMETRY)
+@pytest.mark.parametrize("kind", [
+    "silu",          # Qwen3-MoE: gate rows first, SiLU
+    "swigluoai",     # GPT-OSS: interleaved gate/up rows (w13, B13, bias), clamped swiglu, expert biases
+    "uninterleave",  # concatenated rows, clamped swiglu with vLLM's alpha / limit, expert biases
+])
+def test_experts_forward_cpu_matches_reference_from_vllms_factors(fmt, T, kind):
+    _check_forward(fmt, "cpu", torch.float32, T, CPU_GEOMETRY, kind)
 
 
 @pytest.mark.gpu
@@ -135,8 +185,9 @@ def test_experts_forward_cpu_matches_reference_from_vllms_factors(fmt, T):
     8,    # small decode batch
     200,  # prefill-sized (sorted path)
 ])
-def test_experts_forward_cuda_matches_reference_from_vllms_factors(fmt, dtype, T):
-    _check_forward(fmt, "cuda", dtype, T, GPU_GEOMETRY)
+@pytest.mark.parametrize("kind", ["silu", "swigluoai"])  # Qwen3-MoE, GPT-OSS (interleaved layout, biases)
+def test_experts_forward_cuda_matches_reference_from_vllms_factors(fmt, dtype, T, kind):
+    _check_forward(fmt, "cuda", dtype, T, GPU_GEOMETRY, kind)
 
 
 @pytest.mark.gpu
@@ -206,6 +257,38 @@ def test_op_stacks_reseats_2d_once_and_frees_vllms_buffers():
     assert packed.lora_a13[1, 2, r + 3, 4] == 7.0
     stacks[1][0][1] = 0             # vLLM's reset_lora of one slice
     assert not packed.lora_b13[1, :, :I, :r].any()
+
+
+def test_op_stacks_2d_interleaved_puts_gate_rows_on_even_rows():
+    """GPT-OSS (``swigluoai``): vLLM's 2-D gate / up B rows land on B13's even / odd rows (the base w13's order)."""
+    L, E, H, I, r = 2, 3, 8, 5, 4
+    stacks = _vllm_stacks("2d", L, E, H, I, r, torch.float32, "cpu")
+    packed = op_stacks(*stacks, layout=SWIGLUOAI.layout)
+    stacks[1][0][1, 2, 3, 1] = 5.0  # gate B, row 3, rank 1
+    stacks[1][1][1, 2, 3, 1] = 6.0  # up B, row 3, rank 1
+    assert packed.lora_b13[1, 2, 6, 1] == 5.0 and packed.lora_b13[1, 2, 7, r + 1] == 6.0
+    assert packed.lora_b13.count_nonzero() == 2
+
+
+@pytest.mark.parametrize("name, cfg, expected", [
+    ("silu", dict(), SILU),                                                    # plain SiLU, concatenated rows
+    ("silu", dict(clamp_limit=7.0), "clamped / scaled activation"),            # SiLU with a clamp: not the op's
+    ("swigluoai", dict(), SWIGLUOAI),                                          # GPT-OSS: interleaved, 1.702 / 7
+    ("swigluoai", dict(clamp_limit=3.0, alpha=2.0), SWIGLUOAI),                # vLLM's swigluoai ignores the config
+    ("swigluoai_uninterleave", dict(clamp_limit=5.0, alpha=1.5, beta=1.0),     # concatenated, config's alpha/limit
+     OpActivation("concat", "gptoss_swiglu", 1.5, 5.0)),
+    ("swigluoai_uninterleave", dict(clamp_limit=5.0, alpha=1.0, beta=0.0),     # beta 0: up not shifted, not ours
+     "activation swigluoai_uninterleave with beta 0.0"),
+    ("swigluoai_uninterleave", dict(beta=1.0), "without a clamp limit"),       # vLLM asserts a limit here
+    ("gelu", dict(), "activation gelu"),                                       # another activation
+    ("silu", dict(situ_betas=(0.5, None)), "situ betas"),                      # situ's extra parameters
+])
+def test_op_activation(name, cfg, expected):
+    got = op_activation(name, **cfg)
+    if isinstance(expected, str):
+        assert isinstance(got, str) and expected in got
+    else:
+        assert got == expected
 
 
 def test_op_stacks_3d_are_vllms_tensors():

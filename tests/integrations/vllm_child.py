@@ -1,7 +1,7 @@
 """Child process of the vLLM tests (conftest.py): builds one ``vllm.LLM`` (LoRA on) and runs greedy batches.
 
 argv[1]: JSON {model, adapters: {name: path}, batches: [[name or null, ...]], prompts: [[ids]], max_tokens,
-max_loras, count_calls, format: "mixed" | "3d", dump: path or null}.
+max_loras, count_calls, format: "mixed" | "3d" | "gptoss_3d" | "gptoss_mixed", dump: path or null}.
 
 - ``format="mixed"``: ``enable_mixed_moe_lora_format=True`` and ``is_3d_lora_weight`` per adapter (a PEFT 3-D
   experts adapter, or a per-expert 2-D one); vLLM 0.32 then wraps every MoE layer in its 2-D ``FusedMoEWithLoRA``.
@@ -9,6 +9,8 @@ max_loras, count_calls, format: "mixed" | "3d", dump: path or null}.
   whose clamped activation the plugin leaves to vLLM, and multimodal / hybrid Qwen3 variants), so this registers
   vLLM's own ``Qwen3MoeForCausalLM`` under a second architecture name with that flag set, and serves the same
   checkpoint through it (``hf_overrides``); mixed format off.
+- ``format="gptoss_3d"`` / ``"gptoss_mixed"``: a tiny GPT-OSS checkpoint served as it is (vLLM's own
+  ``GptOssForCausalLM`` declares 3-D expert weights), mixed format off / on.
 
 Prints one line ``RESULT {json}``: tokens per batch and row, the op's calls per batch and how many of those handed
 their result to vLLM without a copy (``adopted``), and the LoRA wrapper classes of the MoE layers. With ``dump``,
@@ -47,9 +49,9 @@ from vllm import LLM, ModelRegistry, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 
-mixed = spec["format"] == "mixed"
+mixed = spec["format"].endswith("mixed")
 extra = {}
-if not mixed:
+if spec["format"] == "3d":
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeForCausalLM
 
     class Qwen3Moe3DLoRAForCausalLM(Qwen3MoeForCausalLM):

@@ -22,18 +22,34 @@ RUNS = {
                   batches=[[None, "A"], ["A", "B"], ["B", "A", None], ["C", "A", None], ["B", "C"]]),
     # FusedMoE3DWithLoRA (vLLM's 3-D stacks, read by the op as they are); per-expert adapters need mixed format
     "3d": dict(adapters=("A", "B"), max_loras=3, batches=[[None, "A"], ["A", "B"], ["B", "A", None]]),
+    # tiny GPT-OSS (vLLM's swigluoai: w13 [E, 2I, H] with gate/up rows interleaved, expert biases): vLLM's own
+    # FusedMoE3DWithLoRA (GPT-OSS declares 3-D expert weights) ...
+    "gptoss_3d": dict(adapters=("A", "B"), max_loras=3, batches=[[None, "A"], ["A", "B"], ["B", "A", None]]),
+    # ... and, under mixed format, its 2-D stacks (vLLM's loader de-interleaves B into gate and up)
+    "gptoss_mixed": dict(adapters=("A", "B"), max_loras=3, batches=[[None, "A"], ["A", "B"], ["B", "A", None]]),
 }
-EXPECTED_WRAPPER = {"mixed": "FusedMoEWithLoRA", "3d": "FusedMoE3DWithLoRA"}
+EXPECTED_WRAPPER = {"mixed": "FusedMoEWithLoRA", "3d": "FusedMoE3DWithLoRA", "gptoss_3d": "FusedMoE3DWithLoRA",
+                    "gptoss_mixed": "FusedMoEWithLoRA"}
 
 
-def save_peft(model_dir, path, *, r, targets, seed, blocks_of=None):
+def family_of(fmt: str) -> str:
+    """The tiny model family a run serves: ``gpt_oss`` for the ``gptoss_*`` runs, else ``qwen3_moe``."""
+    return "gpt_oss" if fmt.startswith("gptoss") else "qwen3_moe"
+
+
+def is_mixed(fmt: str) -> bool:
+    """Whether a run turns on ``enable_mixed_moe_lora_format`` (vLLM's 2-D stacks for every MoE model)."""
+    return fmt.endswith("mixed")
+
+
+def save_peft(model_dir, path, *, r, targets, seed, blocks_of=None, family="qwen3_moe"):
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from moe_lora_compile.models.tiny import randomize_lora_, tiny_lora_config
 
     peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                                tiny_lora_config("qwen3_moe", r=r, lora_alpha=2 * r, target_modules=targets))
+                                tiny_lora_config(family, r=r, lora_alpha=2 * r, target_modules=targets))
     randomize_lora_(peft_model, std=0.2, seed=seed)
     if blocks_of is not None:
         _zero_outside_blocks_(peft_model, blocks_of)

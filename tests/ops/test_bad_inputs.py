@@ -62,6 +62,13 @@ def test_fused_moe_lora_bad_attributes(kwargs, message):
         mlc.fused_moe_lora(*args.values(), **{**base, **kwargs})
 
 
+def test_interleaved_layout_refuses_transposed_weights():
+    """GPT-OSS weights as transformers stores them ([E, H, 2I]) passed as vLLM's ``interleaved`` ([E, 2I, H])."""
+    args, kwargs = _moe_args(layout="transposed_interleaved", activation="gptoss_swiglu")
+    with pytest.raises(ValueError, match=r"w13 must have shape \[E, 2I, H\] for layout 'interleaved'"):
+        mlc.fused_moe_lora(*args.values(), **{**kwargs, "layout": "interleaved"})
+
+
 def test_errors_under_compile_too():
     """Shape errors surface from the fake impl while tracing, still naming the argument."""
     args, kwargs = _replace("lora_b2", lambda t: t[..., :-1])

@@ -22,11 +22,14 @@ CASES = [
     MoECase(T=5, k=4, E=6),  # k > 2
     MoECase(T=5, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),  # GPT-OSS layout + biases
     MoECase(T=5, layout="transposed_interleaved", activation="silu"),  # interleaved gate/up with plain silu
+    MoECase(T=5, layout="interleaved", activation="gptoss_swiglu", bias=True),  # vLLM's GPT-OSS: [E, 2I, H] rows
+    MoECase(T=6, layout="interleaved", activation="silu", lora="alternate"),  # non-transposed interleaved, silu
     MoECase(T=5, layout="concat", activation="gptoss_swiglu", bias=True),  # clamped swiglu on concat layout
     MoECase(T=5, layout="transposed_concat", routing_weight_on_input=True, k=1),  # Llama-4: weight on the input
     MoECase(T=5, routing_weight_on_input=True, k=2),  # weight on the input with k > 1
     MoECase(T=6, dtype=torch.bfloat16),  # bf16 in, fp32 accumulation, bf16 out
     MoECase(T=6, dtype=torch.bfloat16, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),
+    MoECase(T=6, dtype=torch.bfloat16, layout="interleaved", activation="gptoss_swiglu", bias=True),  # vLLM bf16
     MoECase(T=4, dtype=torch.float64),  # float64 end to end
 ]
 
@@ -100,7 +103,7 @@ def test_frozen_base_weights_refuse_grad():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     T=st.integers(0, 9), E=st.integers(1, 6), k=st.integers(1, 3), L=st.integers(1, 4), R=st.sampled_from([1, 2, 4]),
-    layout=st.sampled_from(["concat", "transposed_concat", "transposed_interleaved"]),
+    layout=st.sampled_from(["concat", "interleaved", "transposed_concat", "transposed_interleaved"]),
     activation=st.sampled_from(["silu", "gptoss_swiglu"]), bias=st.booleans(), on_input=st.booleans(),
     lora=st.sampled_from(["mixed", "none", "all"]),
 )

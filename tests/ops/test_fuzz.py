@@ -22,7 +22,7 @@ def _rows_without(ids: torch.Tensor, slot) -> torch.Tensor:
 @_FUZZ
 @given(data=st.data(), T=st.integers(0, 7), H=st.integers(1, 9), I=st.integers(1, 7), E=st.integers(1, 5),
        k=st.integers(1, 3), L=st.integers(1, 3), R=st.integers(1, 4),
-       layout=st.sampled_from(["concat", "transposed_concat", "transposed_interleaved"]),
+       layout=st.sampled_from(["concat", "interleaved", "transposed_concat", "transposed_interleaved"]),
        activation=st.sampled_from(["silu", "gptoss_swiglu"]), w13_bias=st.booleans(), w2_bias=st.booleans(),
        on_input=st.booleans(), poison=POISON, seed=st.integers(0, 2**16))
 def test_fused_moe_lora_fuzz(data, T, H, I, E, k, L, R, layout, activation, w13_bias, w2_bias, on_input, poison,

@@ -13,6 +13,7 @@ E, H, I = 3, 5, 4
 
 @pytest.mark.parametrize("layout, w13, w2", [
     (lay.CONCAT, (E, 2 * I, H), (E, H, I)),                   # [E, out, in]
+    (lay.INTERLEAVED, (E, 2 * I, H), (E, H, I)),              # vLLM's GPT-OSS: [E, out, in]
     (lay.TRANSPOSED_CONCAT, (E, H, 2 * I), (E, I, H)),        # Llama-4: [E, in, out]
     (lay.TRANSPOSED_INTERLEAVED, (E, H, 2 * I), (E, I, H)),   # GPT-OSS: [E, in, out]
 ])
@@ -33,6 +34,7 @@ def test_in_out_strides_address_element_e_in_out(layout):
 
 @pytest.mark.parametrize("layout, gate_index", [
     (lay.CONCAT, list(range(I))),                         # gate first, up second
+    (lay.INTERLEAVED, list(range(0, 2 * I, 2))),          # vLLM's GPT-OSS: gate on even positions, [E, 2I, H]
     (lay.TRANSPOSED_CONCAT, list(range(I))),
     (lay.TRANSPOSED_INTERLEAVED, list(range(0, 2 * I, 2))),  # gate on even positions
 ])
@@ -50,10 +52,10 @@ def test_layout_of_and_check_layout():
     assert lay.layout_of(transposed=False, interleaved=False) == lay.CONCAT
     assert lay.layout_of(transposed=True, interleaved=False) == lay.TRANSPOSED_CONCAT
     assert lay.layout_of(transposed=True, interleaved=True) == lay.TRANSPOSED_INTERLEAVED
-    with pytest.raises(ValueError, match="interleaved"):  # no interleaved [E, 2I, H] layout
-        lay.layout_of(transposed=False, interleaved=True)
+    assert lay.layout_of(transposed=False, interleaved=True) == lay.INTERLEAVED
     for layout in lay.LAYOUTS:
         lay.check_layout(layout)
-        assert lay.is_interleaved(layout) == (layout == lay.TRANSPOSED_INTERLEAVED)
+        assert lay.is_interleaved(layout) == (layout in ("interleaved", "transposed_interleaved"))
+        assert lay.is_transposed(layout) == layout.startswith("transposed_")
     with pytest.raises(ValueError, match="layout must be one of"):
         lay.check_layout("rows")

@@ -14,6 +14,7 @@ def _requires_grad(args, positions):
 @pytest.mark.parametrize("case", [
     MoECase(T=5),  # concat layout, mixed adapters
     MoECase(T=4, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),  # GPT-OSS with biases
+    MoECase(T=4, layout="interleaved", activation="gptoss_swiglu", bias=True),  # vLLM's GPT-OSS: [E, 2I, H]
     MoECase(T=4, layout="transposed_concat", routing_weight_on_input=True, k=1),  # Llama-4
     MoECase(T=0),  # empty batch
 ], ids=MoECase.label)

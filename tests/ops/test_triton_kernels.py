@@ -87,6 +87,9 @@ CASES = [
     # GPT-OSS: transposed interleaved, clamped swiglu (limit low enough to clamp), biases
     pytest.param(kernel_case(T=5, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True, limit=0.5),
                  id="gptoss-bias-clamp"),
+    # vLLM's GPT-OSS: [E, 2I, H] weights with interleaved rows (strides of concat, interleaved tiles), clamp, biases
+    pytest.param(kernel_case(T=5, layout="interleaved", activation="gptoss_swiglu", bias=True, limit=0.5),
+                 id="vllm-gptoss-interleaved"),
     # concat layout with biases and the GPT-OSS activation
     pytest.param(kernel_case(T=3, bias=True, activation="gptoss_swiglu", lora="alternate"), id="concat-bias-swiglu"),
     # k=5 of 8 experts (not a power of two: the top-k kernel's row tile is padded), uneven H, adapters on some
@@ -406,6 +409,16 @@ def test_gpu_bf16_real_shapes(geometry, T, L, R, lora):
     y0 = torch.ops.moe_lora.fused_moe_lora(*no_lora, **kwargs)
     ref0 = moe_lora_oracle(*no_lora, **kwargs)
     assert _rel_err(y.float() - y0.float(), ref - ref0) < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 256])  # decode (per-pair path), a batch on the sorted path
+def test_gpu_bf16_vllm_gptoss_layout(T):
+    """GPT-OSS-20B's MoE as vLLM stores it (``interleaved``: w13 [E, 2I, H], gate/up rows alternating)."""
+    c = replace(MoECase.of_geometry(GPT_OSS_20B, T, 4, 32, "alternate"), layout="interleaved")
+    args, kwargs = c.make("cuda", dtype=torch.bfloat16)
+    y = torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)
+    assert _rel_err(y, moe_lora_oracle(*args, **kwargs)) < 1e-2
 
 
 @pytest.mark.gpu

