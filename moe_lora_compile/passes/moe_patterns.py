@@ -454,7 +454,8 @@ def _has_shape(node: Node, sizes) -> bool:
 
 
 def _layout(transposed: bool, interleaved: bool) -> str:
-    require(transposed or not interleaved, "interleaved gate/up with [E, 2I, H] weights is not in the op contract")
+    require(transposed or not interleaved, "interleaved gate/up on [E, 2I, H] weights (the op's `interleaved` "
+            "layout, vLLM's): no transformers family has it, so the pass does not rewrite it (untested)")
     return layout_of(transposed=transposed, interleaved=interleaved)
 
 
