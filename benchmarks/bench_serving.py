@@ -328,7 +328,11 @@ def main(argv=None, prog=None) -> int:
         with open(args.md, "w") as f:
             f.write(text)
     if args.png:
-        plot(rows, args.png)
+        try:
+            plot(rows, args.png)
+        except ImportError:
+            print("--png needs matplotlib (pip install matplotlib); the other outputs were written", file=sys.stderr)
+            return 2
     return 0
 
 
