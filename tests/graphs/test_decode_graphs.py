@@ -295,6 +295,29 @@ def test_compiled_steps_equal_eager_one_graph_per_bucket_no_recompiles(setup):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("compile_prefill", [True, False])
+def test_compile_prefill_switch(setup, compile_prefill):
+    """compile_prefill=False: only the decode steps go through torch.compile (a counting backend sees one frame per
+    bucket and none for the prefill); the eager prefill gives the same logits and tokens."""
+    from torch._dynamo.testing import CompileCounter
+
+    mm, prompt = setup.model, setup.input_ids
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    try:
+        graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, compile={"backend": counter},
+                              compile_prefill=compile_prefill, log=None).capture()
+        after_capture = counter.frame_count
+        state, last = graphs.prefill(prompt, adapters=MIXED)
+        torch.testing.assert_close(last, _eager_logits(mm, prompt, MIXED)[:, -1], atol=ATOL, rtol=0)
+        assert after_capture >= 1  # the decode step of the bucket
+        assert (counter.frame_count > after_capture) == compile_prefill
+        out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=3)
+        assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=3, do_sample=False))
+    finally:
+        torch._dynamo.reset()
+
+
 def test_compile_option_errors(setup):
     with pytest.raises(ValueError, match="reduce-overhead"):
         DecodeGraphs(setup.model, batch_sizes=(2,), capture=False, compile={"mode": "reduce-overhead"})
