@@ -1,4 +1,5 @@
-"""@triton.jit kernels of the fused MoE multi-LoRA layer (and of lora_linear, which is the same with E = k = 1).
+"""@triton.jit kernels of the fused MoE multi-LoRA layer (and lora_linear's block shrink, the shrink's DENSE mode with
+E = k = 1; lora_linear's GEMM and per-token shrink are in :mod:`.dense_kernels`).
 
 Rows: the kernels work on blocks of BLOCK_M rows; each block belongs to one expert. Row ``pid_m*BLOCK_M + m`` of
 the intermediate buffers (``act [rows, I]``, shrink outputs ``s [rows, R]`` fp32) holds (token, slot) pair
@@ -6,7 +7,8 @@ the intermediate buffers (``act [rows, I]``, shrink outputs ``s [rows, R]`` fp32
 
 - ``SORTED``: pairs grouped per expert by :mod:`.routing` (``row_pair``, ``block_expert``, ``num_blocks``);
 - ``PER_PAIR``: one pair per block (row 0), no routing at all: for tiny batches;
-- ``DENSE``: block ``b`` holds pairs ``[b*BM, (b+1)*BM)`` and expert 0 (``lora_linear``).
+- ``DENSE``: block ``b`` holds pairs ``[b*BM, (b+1)*BM)`` and expert 0 (``lora_linear``'s block shrink; the w2
+  kernel keeps the mode, which no launcher uses since lora_linear has a GEMM of its own).
 
 LoRA: a block may hold rows of several adapters. The shrink and the expand loop over the distinct adapter slots
 present in the block (data, not a Python branch) and keep each slot's small ``tl.dot`` only in that slot's rows
@@ -405,9 +407,6 @@ def moe_w13_kernel(
         tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r_mask[None, :])
 
 
-# moe_w2_kernel is also lora_linear's GEMM: MODE=DENSE runs it with one expert (W [out, in] through a zero expert
-# stride) on token rows (launch.lora_linear_triton); the name says what it is for the MoE layer, the alias what it
-# is for a dense layer.
 @triton.jit(do_not_specialize=["num_pairs", "grid_m"])
 def moe_w2_kernel(
     in_ptr, stride_in, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
@@ -420,7 +419,7 @@ def moe_w2_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
 ):
-    """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM (and lora_linear).
+    """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM.
 
     ``in`` rows are block rows (act), or tokens in DENSE mode; W element (e, k, n) at e*stride_we + k*stride_wk +
     n*stride_wn; B element (l, e, n, r) at l*stride_bl + e*stride_be + n*stride_bn + r.
@@ -494,6 +493,3 @@ def moe_w2_kernel(
                                    cache_modifier=".cg")
                     y += tl.sum(part, axis=0)
             tl.store(y_ptr + tok.to(tl.int64) * stride_y + offs_n, y.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-lora_gemm_kernel = moe_w2_kernel  # the same kernel: GEMM + LoRA expand (+ bias, routing weight) of any row block
