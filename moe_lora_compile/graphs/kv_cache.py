@@ -47,7 +47,21 @@ class SharedKVStorage:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
 
-class SlotLayer(StaticLayer):
+class StorageLayer(StaticLayer):
+    """A ``StaticLayer`` over a :class:`SharedKVStorage`: every slot of the cache is visible to the mask (positions
+    and masks are built by the caller), and the owner of the storage, not the layer, clears it."""
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:  # the storage is shared: the owner decides when to clear it
+        pass
+
+
+class SlotLayer(StorageLayer):
     """One layer of :class:`SlotCache`: writes ``key_states [B, h, S, d]`` at slots ``start + arange(S)``."""
 
     def __init__(self, storage: SharedKVStorage, layer_idx: int, batch: int, start: Tensor):
@@ -74,15 +88,6 @@ class SlotLayer(StaticLayer):
         """The first slot of the current forward (0-d int64 tensor): transformers' masks use it as the query
         offset; a tensor, so a captured graph reads it at replay."""
         return self._start
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def reset(self) -> None:  # the storage is shared: the owner decides when to clear it
-        pass
 
 
 class SlotCache(Cache):

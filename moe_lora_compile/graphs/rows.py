@@ -44,12 +44,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import Cache, StaticLayer
+from transformers.cache_utils import Cache
 
 from ..ops.contract import NO_ADAPTER
 from .common import compile_limits, compile_options, say
 from .decode import ScalarsWithoutHostCopies
-from .kv_cache import SharedKVStorage
+from .kv_cache import SharedKVStorage, StorageLayer
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -109,7 +109,7 @@ def attention_masks(position_ids: Tensor, spec: MaskSpec):
     return masks if len(masks) > 1 else masks[spec.layer_types[0]]
 
 
-class RowLayer(StaticLayer):
+class RowLayer(StorageLayer):
     """One layer of :class:`RowCache`: writes ``key_states [n, h, q, d]`` of row ``rows[i]`` at its slots
     ``slots[i, :q]`` in the shared storage ``[max_rows, h, num_slots, d]``; returns rows ``[:batch]`` (a view: the
     decode step of a bucket) or, with ``batch=None``, the written rows gathered (a prefill)."""
@@ -141,15 +141,6 @@ class RowLayer(StaticLayer):
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return 0  # not used: positions and masks come ready-made
-
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.max_cache_len, 0
-
-    def get_max_length(self) -> int:
-        return self.max_cache_len
-
-    def reset(self) -> None:  # the storage is shared: the owner decides when to clear it
-        pass
 
 
 class RowCache(Cache):

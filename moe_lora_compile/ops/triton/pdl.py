@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import torch
 
 from ... import settings
-from .configs import requested_pdl
 from .moe_kernels import PDL_EARLY, PDL_LATE, PDL_OFF
 
-__all__ = ["PDL_EARLY", "PDL_LATE", "PDL_OFF", "LaunchChain", "pdl_supported", "supported_mode", "use_pdl"]
+__all__ = ["PDL_EARLY", "PDL_LATE", "PDL_OFF", "LaunchChain", "pdl_supported", "supported_mode"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,13 +66,6 @@ def pdl_supported(device: torch.device) -> bool:
 def supported_mode(device: torch.device, mode: int) -> int:
     """The mode to launch with on ``device``: ``mode`` where PDL is supported, else PDL_OFF."""
     return mode if mode and pdl_supported(device) else PDL_OFF
-
-
-def use_pdl(device: torch.device, config: Optional[dict] = None, *, env_first: bool = False) -> int:
-    """:func:`supported_mode` of what a dict config (``lora_linear``'s) asks for: its ``"pdl"`` key, by
-    :func:`.configs.requested_pdl`'s precedence (``env_first``: a config the launcher looked up itself)."""
-    setting = None if config is None else config.get("pdl")
-    return supported_mode(device, requested_pdl(setting, passed_by_caller=not env_first))
 
 
 class LaunchChain:
