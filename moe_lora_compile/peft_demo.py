@@ -11,6 +11,7 @@ MoE layer into one ``fused_moe_lora`` over ``W`` and the adapter's factors, and 
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -39,6 +40,38 @@ def _peft_model(family: str, dtype, device):
     return model.eval().to(device=device, dtype=dtype), n_moe, n_linear
 
 
+def _logits_and_router_ties(model, input_ids, rel_margin: float = 2.0 ** -5):
+    """-> (logits [B, S, V], near_tie [B, S] bool): a token is at a near-tie when, in some MoE layer, its k-th and
+    (k+1)-th router logits differ by less than ``rel_margin`` of that layer's largest |logit| (bf16 keeps 8 bits:
+    about 4x its rounding step). Router outputs are found by hooks on the ``gate`` / ``router`` modules."""
+    import torch
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    top_k = getattr(config, "num_experts_per_tok", None)
+    num_experts = next((getattr(config, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if getattr(config, a, None)), None)
+    margins = []
+
+    def hook(module, args, out):
+        t = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(t, torch.Tensor) and t.shape[-1] == num_experts and top_k and top_k < num_experts:
+            top = t.float().reshape(-1, num_experts).topk(top_k + 1, dim=-1).values
+            margins.append((top[:, -2] - top[:, -1]) / top.abs().max().clamp_min(1e-30))
+
+    handles = [m.register_forward_hook(hook) for name, m in model.named_modules()
+               if name.rsplit(".", 1)[-1] in ("gate", "router")]
+    try:
+        logits = model(input_ids).logits
+    finally:
+        for h in handles:
+            h.remove()
+    near_tie = torch.zeros(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    for m in margins:
+        if m.numel() == input_ids.numel():
+            near_tie |= (m < rel_margin).view(input_ids.shape)
+    return logits, near_tie
+
+
 def run_peft_demo(family: str, *, dtype, device, batch: int, seq_len: int) -> dict:
     """Compile a tiny PEFT model of ``family`` with the pass; returns the report (see :func:`format_peft`)."""
     import torch
@@ -56,6 +89,15 @@ def run_peft_demo(family: str, *, dtype, device, batch: int, seq_len: int) -> di
     later = [torch.randint(3, vocab, (batch, seq_len), generator=generator).to(device), input_ids[: max(2, batch // 2)]]
     with torch.no_grad():
         eager = [model(ids).logits for ids in [input_ids] + later]
+        # the truth: the same PEFT model in float32 (PEFT's own bf16 eager rounds W + B@A to bf16 per forward, so
+        # in bf16 both sides carry rounding error; each is measured against float32)
+        truth, tied = [], []
+        reference = model if dtype == torch.float32 else copy.deepcopy(model).float()
+        for ids in [input_ids] + later:
+            logits, near_tie = _logits_and_router_ties(reference, ids)
+            truth.append(logits)
+            tied.append(near_tie)
+        del reference
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     custom_pass = MoELoRAPass()
@@ -73,14 +115,27 @@ def run_peft_demo(family: str, *, dtype, device, batch: int, seq_len: int) -> di
     recompiles = counters["stats"]["unique_graphs"] - graphs
     torch._dynamo.reset()
     functional_expert_lora(model, enable=False)
-    err = max((got.float() - want.float()).abs().max().item() for got, want in zip(logits, eager))
-    top = max(want.float().abs().max().item() for want in eager)
-    tol = 1e-3 if dtype == torch.float32 else 5e-2 * max(1.0, top)
+    # bf16: a token whose k-th and (k+1)-th router logits are within bf16 rounding may pick another expert in any
+    # bf16 computation (Inductor's rounding differs from eager's); such tokens are counted and left out
+    keep = [~t if dtype != torch.float32 else torch.ones_like(t) for t in tied]
+    excluded = sum(int((~k).sum()) for k in keep)
+
+    def max_err(outs):
+        return max(((got.float() - want.float()).abs().amax(-1) * k).max().item()
+                   for got, want, k in zip(outs, truth, keep))
+
+    err, peft_err = max_err(logits), max_err(eager)
+    top = max(want.float().abs().max().item() for want in truth)
+    # float32: equal to PEFT eager up to summation order; bf16: no further from float32 than twice PEFT's own
+    # bf16 eager, plus 1 % of the largest logit
+    tol = 1e-3 if dtype == torch.float32 else 2 * peft_err + 1e-2 * max(1.0, top)
     counts = dict(custom_pass.counts)
     fused_moe = sum(v for k, v in counts.items() if k.startswith("fused_moe_lora["))
     fused_linear = sum(v for k, v in counts.items() if k.startswith("lora_linear["))
     return dict(family=family, graphs=graphs, graph_breaks=breaks, recompiles=recompiles, fused_ops=counts,
-                moe_layers=n_moe, adapted_linears=n_linear, max_abs_err=err, compile_s=compile_s,
+                moe_layers=n_moe, adapted_linears=n_linear, max_abs_err=err, peft_eager_err=peft_err, tol=tol,
+                compile_s=compile_s, dtype=str(dtype).replace("torch.", ""),
+                tokens=sum(k.numel() for k in keep), near_tie_tokens=excluded,
                 ok=err <= tol and (fused_moe, fused_linear) == (n_moe, n_linear) and (graphs, breaks) == (1, 0)
                 and recompiles == 0)
 
@@ -94,8 +149,11 @@ def format_peft(r: dict) -> str:
         f"  graphs {r['graphs']}, graph breaks {r['graph_breaks']}, recompiles {r['recompiles']} "
         "(after: new tokens, smaller batch)",
         f"  fused ops: {fused}",
-        f"  compiled vs PEFT eager: max |diff| {r['max_abs_err']:.2e} -> {'OK' if r['ok'] else 'MISMATCH'}; "
-        f"first compile {r['compile_s']:.1f} s",
+        (f"  compiled vs PEFT eager: max |diff| {r['max_abs_err']:.2e}" if r["dtype"] == "float32" else
+         f"  vs the float32 PEFT model: compiled max |diff| {r['max_abs_err']:.2e}, PEFT {r['dtype']} eager "
+         f"{r['peft_eager_err']:.2e} (tolerance {r['tol']:.2e}; {r['near_tie_tokens']} of {r['tokens']} tokens at a "
+         "router near-tie left out)")
+        + f" -> {'OK' if r['ok'] else 'MISMATCH'}; first compile {r['compile_s']:.1f} s",
     ])
 
 

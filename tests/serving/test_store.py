@@ -328,7 +328,7 @@ def test_gpu_paging_with_captured_graphs(setup):
     assert store.pin_memory
     assert all(t.is_pinned() for lora in store._entries["a"].weights.values() for t in vars(lora).values()
                if t is not None)
-    graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=16, log=None)
+    graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=16, log=None).capture()
     assert graphs.captured
     truth_mm = attach(copy.deepcopy(setup["base"]).to(device), max_loras=5, max_rank=8)
     for name in NAMES:
