@@ -256,12 +256,26 @@ def _gpu_inputs(T, E, H, bias, integers, seed=0):
     return hidden.to(**to), weight.to(**to), None if b is None else b.to(**to)
 
 
+def _by_expert(ids, scores):
+    """(ids, scores) of each row reordered by expert id: equal sets compare equal whatever the order of near-ties."""
+    order = ids.argsort(dim=-1)
+    return ids.gather(-1, order), scores.gather(-1, order)
+
+
+def clear_rows(logits, k):
+    """[T] bool: rows whose k-th and (k+1)-th largest logits are further apart than 4 bf16 roundings, so one rounding
+    of the logits (kernel vs float64) cannot change the chosen set (k < E)."""
+    top = logits.sort(-1, descending=True).values
+    return (top[:, k - 1] - top[:, k]) > 4 * 2.0 ** -8 * top[:, k - 1].abs()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("T", [1, 8, 64, MAX_KERNEL_TOKENS + 1])  # 65: past the kernel, the aten path
 def test_gpu_bf16_real_shapes(geometry, T):
-    """bf16 router at real shapes: logits within one bf16 rounding of float64, weights within bf16 rounding, ids
-    equal wherever the k-th and (k+1)-th oracle scores are not a near-tie."""
+    """bf16 router at real shapes against float64: logits within one bf16 rounding, the same expert set and the
+    same weight per expert (within bf16 rounding) in every row without a near-tie at the k-th place (the inputs
+    are fixed; the test checks that there are such rows)."""
     E, H, k, scoring, renormalize, bias = geometry
     hidden, weight, b = _gpu_inputs(T, E, H, bias, integers=False)
     logits, scores, ids = torch.ops.moe_lora.route(hidden, weight, b, k, scoring, renormalize)
@@ -269,12 +283,12 @@ def test_gpu_bf16_real_shapes(geometry, T):
                                                     scoring, renormalize)
     assert logits.dtype == scores.dtype == torch.bfloat16 and ids.dtype == torch.int64
     torch.testing.assert_close(logits.cpu().to(F64), ref_logits, rtol=1e-2, atol=1e-2)
-    ranked = torch.softmax(ref_logits, -1) if scoring == "softmax_topk" else ref_logits
-    order = ranked.sort(-1, descending=True).values
-    clear = (order[:, :k] - torch.cat([order[:, 1:k + 1]], 1)).abs().min(-1).values > 1e-2 * order.abs().max()
+    clear = clear_rows(ref_logits, k)
     assert clear.any()
-    assert torch.equal(ids.cpu()[clear], ref_ids[clear])
-    torch.testing.assert_close(scores.cpu().to(F64)[clear], ref_weights[clear], rtol=1e-2, atol=1e-2)
+    got_ids, got_scores = _by_expert(ids.cpu()[clear], scores.cpu().to(F64)[clear])
+    want_ids, want_scores = _by_expert(ref_ids[clear], ref_weights[clear])
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_scores, want_scores, rtol=2e-2, atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -287,11 +301,16 @@ def test_gpu_exact_data_matches_torch_path(geometry, T):
     E, H, k, scoring, renormalize, bias = geometry
     hidden, weight, b = _gpu_inputs(T, E, H, bias, integers=True)
     logits, scores, ids = torch.ops.moe_lora.route(hidden, weight, b, k, scoring, renormalize)
-    ref_logits, ref_scores, ref_ids = route_reference(hidden, weight, b, top_k=k, scoring=scoring,
-                                                      renormalize=renormalize)
+    reduced = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # cuBLAS: fp32 sums throughout
+    try:
+        ref_logits, ref_scores, ref_ids = route_reference(hidden, weight, b, top_k=k, scoring=scoring,
+                                                          renormalize=renormalize)
+    finally:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
     assert torch.equal(logits, ref_logits)
     assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(scores, ref_scores, rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-2, atol=1e-5)
 
 
 @pytest.mark.gpu
