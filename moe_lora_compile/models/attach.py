@@ -35,6 +35,7 @@ from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intac
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
                       register_experts_implementation)
 from .families import Family, family_for, find_dense_targets, find_experts
+from .routers import fuse_routers, verified_spec
 
 
 
@@ -66,7 +67,8 @@ class MultiLoRAModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, family: Family, *, max_loras: int, max_rank: int, max_tokens: int,
-                 use_ops: bool, target_modules: Optional[Sequence[str]], fuse: Sequence[str] = ()):
+                 use_ops: bool, target_modules: Optional[Sequence[str]], fuse: Sequence[str] = (),
+                 fused_router: bool = False):
         super().__init__()
         self.model = model
         self.family = family
@@ -80,7 +82,8 @@ class MultiLoRAModel(nn.Module):
         self.lock = threading.RLock()  # held across "write ids, run the model" and across adapter loads
         self._sequence_slots = torch.full((1,), NO_ADAPTER, dtype=torch.int32)
         self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
-        experts = self._attach_experts(use_ops)
+        self.fused_routers: list[str] = []  # routers running as moe_lora.route (module names)
+        experts = self._attach_experts(use_ops, fused_router=use_ops and fused_router)
         linears = self._attach_linears(target_modules, use_ops)
         # fused sibling groups (member module names, in call order), the groups left unfused -> why
         self.fused_groups: list[tuple[str, ...]] = []
@@ -93,7 +96,7 @@ class MultiLoRAModel(nn.Module):
         self._hook = model.register_forward_pre_hook(self._fill_token_lora_ids, with_kwargs=True)
 
     # --- attaching -------------------------------------------------------------------------------------------
-    def _attach_experts(self, use_ops: bool) -> dict[str, nn.Module]:
+    def _attach_experts(self, use_ops: bool, fused_router: bool) -> dict[str, nn.Module]:
         family = self.family
         experts = find_experts(self.model, family)
         if family.is_moe and not experts:
@@ -107,10 +110,16 @@ class MultiLoRAModel(nn.Module):
                              max_rank=self.max_rank, token_lora_ids=self.token_lora_ids, use_ops=use_ops)
             if not family.decorated:
                 block_name = name.rpartition(".")[0]
-                _set_submodule(self.model, block_name, Llama4MoELoRABlock(self.model.get_submodule(block_name)))
+                block = self.model.get_submodule(block_name)
+                fuse = fused_router and verified_spec(block.router) is not None
+                _set_submodule(self.model, block_name, Llama4MoELoRABlock(block, fused_router=fuse))
+                if fuse:
+                    self.fused_routers.append(f"{block_name}.router")
         if experts and family.decorated:
             register_experts_implementation()
             self.model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+            if fused_router:
+                self.fused_routers = fuse_routers(self.model, [name.rpartition(".")[0] for name in experts])
         return experts
 
     def _attach_linears(self, target_modules, use_ops: bool) -> dict[str, nn.Module]:
@@ -381,7 +390,8 @@ class MultiLoRAModel(nn.Module):
 
 def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,
            use_ops: bool = True, target_modules: Optional[Sequence[str]] = None,
-           fuse_qkv: bool = False, fuse: Union[bool, str, Sequence[str]] = False) -> MultiLoRAModel:
+           fuse_qkv: bool = False, fuse: Union[bool, str, Sequence[str]] = False,
+           fused_router: bool = True) -> MultiLoRAModel:
     """Prepare a transformers causal LM (modified in place) for multi-LoRA serving.
 
     Routes its MoE experts through our experts implementation and wraps its dense LoRA targets (the family's
@@ -409,12 +419,18 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     alone (``mm.model.to(...)``) breaks it, and the next ``load_adapter`` / ``unload_adapter`` raises. Default off:
     ``"qkv"`` has run on the H200 (GPU tests, the whole-model benchmark), but fused and unfused have not been
     compared in one run yet; ``"gate_up"`` and ``"mla"`` have run on the CPU only.
+
+    ``fused_router`` (with ``use_ops=True``): the MoE routers whose transformers forward has been verified
+    (GPT-OSS, Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Llama-4; see :mod:`moe_lora_compile.models.routers`) run as
+    one ``torch.ops.moe_lora.route`` call each (one Triton launch at decode on CUDA), returning what transformers'
+    router returns; ``mm.fused_routers`` names them. DeepSeek-V3's router stays on transformers' code.
     """
     for arg, value in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    if not isinstance(fuse_qkv, bool):
-        raise TypeError(f"fuse_qkv must be a bool, got {fuse_qkv!r}")
+    for arg, value in (("fuse_qkv", fuse_qkv), ("fused_router", fused_router)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{arg} must be a bool, got {value!r}")
     groups = _fusion_groups(fuse) + (("qkv",) if fuse_qkv else ())
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
@@ -422,7 +438,7 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     model.requires_grad_(False)
     return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
                           use_ops=use_ops, target_modules=target_modules,
-                          fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups))
+                          fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups), fused_router=fused_router)
 
 
 def _fusion_groups(fuse) -> tuple[str, ...]:

@@ -77,10 +77,11 @@ class Llama4MoELoRABlock(nn.Module):
 
     The original runs every expert on every token with the input scaled by ``sigmoid(top-k logit)`` (0 elsewhere);
     that equals the top-k routed sum with the routing weight on the input, which is what this block computes.
-    Returns ``(out [T,H], router_logits [T,E])`` like the original.
+    ``fused_router``: the router runs as one ``moe_lora.route`` call (``"topk_sigmoid"``), else as transformers'
+    ``F.linear`` + ``topk`` + ``sigmoid``. Returns ``(out [T,H], router_logits [T,E])`` like the original.
     """
 
-    def __init__(self, block: nn.Module):
+    def __init__(self, block: nn.Module, fused_router: bool = False):
         super().__init__()
         self.top_k = block.top_k
         self.hidden_dim = block.hidden_dim
@@ -88,11 +89,16 @@ class Llama4MoELoRABlock(nn.Module):
         self.experts = block.experts
         self.router = block.router
         self.shared_expert = block.shared_expert
+        self.fused_router = fused_router
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        router_logits = F.linear(hidden_states, self.router.weight, self.router.bias)
-        top_values, top_index = torch.topk(router_logits, self.top_k, dim=1)
-        top_weights = torch.sigmoid(top_values.float()).to(hidden_states.dtype)
+        if self.fused_router:
+            router_logits, top_weights, top_index = torch.ops.moe_lora.route(
+                hidden_states, self.router.weight, self.router.bias, self.top_k, "topk_sigmoid")
+        else:
+            router_logits = F.linear(hidden_states, self.router.weight, self.router.bias)
+            top_values, top_index = torch.topk(router_logits, self.top_k, dim=1)
+            top_weights = torch.sigmoid(top_values.float()).to(hidden_states.dtype)
         routed = moe_lora_experts_forward(self.experts, hidden_states, top_index, top_weights)
         return self.shared_expert(hidden_states) + routed, router_logits

@@ -205,3 +205,40 @@ def check_index_values(name: str, ids: torch.Tensor, low: int, high: int) -> Non
         block = 1024
         check_index_range_kernel[(-(-ids.numel() // block),)](ids, ids.numel(), low, high, MESSAGE=message,
                                                                BLOCK=block)
+
+
+# moe_lora.route: how the router turns logits into (weights, ids); see moe_lora_compile.ops.router.
+SCORINGS = ("topk_softmax", "softmax_topk", "topk_sigmoid")
+
+
+def check_route_args(hidden, weight, bias, top_k, scoring: str, renormalize: bool, scores_dtype) -> None:
+    """Shape/dtype/device checks of ``route``; raises ValueError/TypeError naming the argument."""
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    if renormalize and scoring != "softmax_topk":
+        raise ValueError(f"renormalize=True applies to scoring 'softmax_topk' only (the k weights of {scoring!r} "
+                         f"are what transformers returns as is), got scoring {scoring!r}")
+    _expect_rank("hidden", hidden, 2, "[T, H]")
+    _expect_dtype("hidden", hidden, _FLOAT_DTYPES, "a floating tensor")
+    _expect_positive("hidden", hidden, 1, "H", "[T, H]")
+    _expect_rank("weight", weight, 2, "[E, H]")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype} (as F.linear needs), got {weight.dtype}")
+    _expect_positive("weight", weight, 0, "E", "[E, H]")
+    _expect_dim("weight", weight, 1, hidden.shape[1], f"[E, H] with H = hidden.shape[1] = {hidden.shape[1]}")
+    E = weight.shape[0]
+    if bias is not None:
+        _expect_rank("bias", bias, 1, "[E]")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias must have hidden's dtype {hidden.dtype}, got {bias.dtype}")
+        _expect_dim("bias", bias, 0, E, f"[E] = [{E}]")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}; all tensors must share one "
+                             f"device")
+    if not isinstance(top_k, (int, torch.SymInt)) or isinstance(top_k, bool):
+        raise TypeError(f"top_k must be an int, got {top_k!r}")
+    torch._check_value(top_k >= 1, lambda: f"top_k must lie in [1, E = {E}], got {top_k}")
+    torch._check_value(top_k <= E, lambda: f"top_k must lie in [1, E = {E}], got {top_k}")
+    if scores_dtype is not None and scores_dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"scores_dtype must be a floating dtype or None, got {scores_dtype}")

@@ -1,0 +1,130 @@
+"""transformers' MoE routers through ``torch.ops.moe_lora.route`` (one Triton launch per layer at decode on CUDA).
+
+``fuse_router(module)`` swaps a router's class for a subclass whose ``forward`` calls the op with the router's own
+parameters: same module, parameters, state-dict names and hooks, and ``isinstance`` still holds (transformers
+records ``output_router_logits`` with hooks on the router class). Only routers whose ``forward`` source is one we
+have read and matched (:data:`VERIFIED_ROUTERS`: transformers 5.17 and 5.24 have the same text; the fingerprint is a
+hash of it) are swapped; any other router keeps transformers' forward (logged once at debug level). DeepSeek-V3's
+router (sigmoid scores, ``e_score_correction_bias``, group-limited top-k) is not covered and stays as it is;
+Llama-4's MoE block is swapped whole (:class:`~moe_lora_compile.models.experts.Llama4MoELoRABlock`), which calls
+the op itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import textwrap
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a transformers router class maps onto ``moe_lora.route``. ``renormalize``: a bool, or the name of the
+    router's attribute holding it (``norm_topk_prob``); ``scores_fp32``: transformers returns fp32 weights
+    (Mixtral) instead of the logits dtype; ``fingerprint``: :func:`forward_fingerprint` of the verified forward."""
+
+    scoring: str
+    fingerprint: str
+    renormalize: Union[bool, str] = False
+    scores_fp32: bool = False
+
+
+_SOFTMAX_TOPK = "e4a79c7b17f172af"  # Qwen3-MoE, Qwen2-MoE and OLMoE share one forward
+VERIFIED_ROUTERS = {
+    "GptOssTopKRouter": RouterSpec("topk_softmax", "abb722c1419727e8"),
+    "Qwen3MoeTopKRouter": RouterSpec("softmax_topk", _SOFTMAX_TOPK, renormalize="norm_topk_prob"),
+    "Qwen2MoeTopKRouter": RouterSpec("softmax_topk", _SOFTMAX_TOPK, renormalize="norm_topk_prob"),
+    "OlmoeTopKRouter": RouterSpec("softmax_topk", _SOFTMAX_TOPK, renormalize="norm_topk_prob"),
+    "MixtralTopKRouter": RouterSpec("softmax_topk", "b3dd489e297f20c8", renormalize=True, scores_fp32=True),
+    "Llama4Router": RouterSpec("topk_sigmoid", "1f5a37ddffd2f9c9"),  # called by Llama4MoELoRABlock
+}
+
+_logged: set[str] = set()
+
+
+def forward_fingerprint(cls: type) -> Optional[str]:
+    """First 16 hex digits of the sha256 of ``cls.forward``'s dedented source, or None without source."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(textwrap.dedent(source).strip().encode()).hexdigest()[:16]
+
+
+def verified_spec(module: nn.Module) -> Optional[RouterSpec]:
+    """The :class:`RouterSpec` of ``module``'s class if its forward is the verified one, else None (logged once)."""
+    cls = type(module)
+    spec = VERIFIED_ROUTERS.get(cls.__name__)
+    if spec is None:
+        return None
+    if forward_fingerprint(cls) != spec.fingerprint:
+        if cls.__name__ not in _logged:
+            _logged.add(cls.__name__)
+            _log.debug("%s.forward differs from the verified transformers source; it keeps its own forward "
+                       "(no moe_lora.route)", cls.__name__)
+        return None
+    return spec
+
+
+def route_options(module: nn.Module, spec: RouterSpec) -> tuple:
+    """``(top_k, scoring, renormalize, scores_dtype)`` of ``moe_lora.route`` for a router of ``spec``."""
+    renormalize = spec.renormalize if isinstance(spec.renormalize, bool) else bool(getattr(module, spec.renormalize))
+    return (int(module.top_k), spec.scoring, renormalize, torch.float32 if spec.scores_fp32 else None)
+
+
+class FusedRouterMixin:
+    """``forward(hidden_states [..., H]) -> (logits [T, E], scores [T, k], ids [T, k] int64)``, as transformers'
+    top-k routers return, from one ``moe_lora.route`` call. ``moe_lora_route``: the op's options (a tuple, so
+    Dynamo keeps them constants)."""
+
+    moe_lora_route: tuple
+
+    def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        return torch.ops.moe_lora.route(hidden, self.weight, getattr(self, "bias", None), *self.moe_lora_route)
+
+
+_fused_classes: dict[type, type] = {}
+
+
+def _fused_class(cls: type) -> type:
+    fused = _fused_classes.get(cls)
+    if fused is None:
+        fused = type(f"Fused{cls.__name__}", (FusedRouterMixin, cls), {"__module__": __name__})
+        _fused_classes[cls] = fused
+    return fused
+
+
+def fuse_router(module: nn.Module) -> bool:
+    """Route ``module`` (a transformers router) through ``moe_lora.route`` in place if it is a verified one;
+    returns whether it was swapped."""
+    spec = verified_spec(module)
+    if spec is None or spec.scoring == "topk_sigmoid":  # Llama-4: its block calls the op
+        name = type(module).__name__
+        if spec is None and name.endswith("Router") and name not in _logged:  # e.g. DeepseekV3TopKRouter
+            _logged.add(name)
+            _log.debug("%s is not a verified router; it keeps transformers' forward (no moe_lora.route)", name)
+        return False
+    module.moe_lora_route = route_options(module, spec)
+    module.__class__ = _fused_class(type(module))
+    return True
+
+
+def fuse_routers(model: nn.Module, block_names) -> list[str]:
+    """Swap the verified router child of each MoE block named in ``block_names``; returns the swapped names."""
+    fused = []
+    for block_name in block_names:
+        for child_name, child in model.get_submodule(block_name).named_children():
+            if isinstance(child, FusedRouterMixin) or not fuse_router(child):
+                continue
+            fused.append(f"{block_name}.{child_name}")
+    return fused
