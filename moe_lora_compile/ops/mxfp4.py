@@ -39,7 +39,9 @@ How transformers builds MXFP4 GPT-OSS (read in 5.17 and 5.24):
 
 For a Triton kernel the checkpoint layout needs no re-layout: one expert's ``blocks`` viewed as ``[N, K/2]`` (K
 contiguous) and ``scales [N, K/32]`` are what ``tl.dot_scaled(x_bf16, None, "bf16", tl.trans(blocks_tile),
-scales_tile, "e2m1")`` reads (probed in ``tests/ops/test_mxfp4.py``, interpreter and GPU).
+scales_tile, "e2m1")`` reads (probed in ``tests/ops/test_mxfp4.py``, interpreter and GPU). The op over such
+weights is ``torch.ops.moe_lora.fused_moe_lora_mxfp4`` (:mod:`.fused_moe_lora_mxfp4`); its kernels decode in
+registers (:mod:`.triton.mxfp4_kernels`).
 
 So a GPT-OSS model that keeps MXFP4 experts without the hub is built by us:
 :func:`moe_lora_compile.models.mxfp4_gpt_oss.build_mxfp4_gpt_oss` (experts as ``GptOssMxfp4Experts``, the

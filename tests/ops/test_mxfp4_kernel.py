@@ -46,13 +46,17 @@ _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 
 
 def _check_decode(dtype):
-    """Rows: 16 rows of byte values 0..255 under each scale byte 0..255. Same bits as dequantize_mxfp4, except
-    fp32 subnormal results (|value| < 2**-126, scale bytes 0 and 1) flushed to a zero of the same sign."""
+    """Rows: 16 rows of byte values 0..255 under each scale byte 0..255. Same bits as transformers'
+    ``convert_moe_packed_tensors``, except fp32 subnormal results (|value| < 2**-126, scale bytes 0 and 1) flushed
+    to a zero of the same sign."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
     scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(16)  # [4096]
     blocks = torch.arange(256, dtype=torch.uint8).reshape(16, 16).repeat(256, 1)  # [4096, 16]
     out = torch.empty(32, 4096, dtype=dtype, device=DEVICE)
     _decode_kernel[(1,)](blocks.to(DEVICE), scales.to(DEVICE), out, BLOCK_N=4096, OUT_DTYPE=_TL_DTYPES[dtype])
-    expected = dequantize_mxfp4(blocks[None, :, None], scales[None, :, None], dtype)[0]  # [32, 4096]
+    expected = convert_moe_packed_tensors(blocks[None, :, None].clone(), scales[None, :, None].clone(),
+                                          dtype=dtype)[0]  # [32, 4096]
     exact32 = dequantize_mxfp4(blocks[None, :, None], scales[None, :, None], torch.float32)[0]
     out = out.cpu()
     subnormal = (exact32 != 0) & (exact32.abs() < 2.0 ** -126)

@@ -9,11 +9,11 @@ bytes and ``[BLOCK_N, BLOCK_K/32]`` scale bytes of the tile, decodes them to the
 
 Decoding is integer arithmetic on the float's bits, no table: code ``c`` (sign ``c >> 3``, magnitude index
 ``m = c & 7``) times ``2 ** (s - 127)`` is, for ``m >= 1``, exponent field ``(m >> 1) + s - 1`` and top mantissa
-bit ``m & 1`` when ``m >= 2`` (``m = 1`` is 0.5: mantissa 0); ``m = 0`` is a signed zero. The fp32 pattern is exact
-(every E2M1 value times a power of two has at most 2 significant bits) and so is its cast to bf16; fp16 rounds like
-:func:`..mxfp4.dequantize_mxfp4` does. Same bits as the reference for scale bytes 2..252 (every weight
-:func:`..mxfp4.quantize_mxfp4` makes, and trained weights, which sit near byte 120); below (magnitudes under
-``2**-126``) it flushes to zero, above it saturates to inf like the reference's overflow.
+bit ``m & 1`` when ``m >= 2`` (``m = 1`` is 0.5: mantissa 0); ``m = 0`` is a signed zero; an exponent past 254 is
+inf. The fp32 pattern is exact (every E2M1 value times a power of two has at most 2 significant bits) and so is its
+cast to bf16; fp16 rounds like :func:`..mxfp4.dequantize_mxfp4` does. Same bits as transformers' dequantization for
+every byte and scale byte (overflow to inf included), except results below ``2**-126`` (fp32 subnormals, only
+under scale bytes 0 and 1; trained weights sit near byte 120), which flush to a zero of the same sign.
 """
 
 from __future__ import annotations
