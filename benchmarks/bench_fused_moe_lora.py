@@ -22,6 +22,12 @@ picks the sorted one; the op's default; and base-only (every token -1) with PDL 
 
     python benchmarks/bench_fused_moe_lora.py --decode-ablation --json ablation.json --md ablation.md
 
+``--mxfp4`` (about 3 minutes; ``--quick``: T in {1, 32, 512}, L=4, R=16) instead times GPT-OSS-20B with MXFP4
+experts: ``fused_moe_lora_mxfp4`` vs ``fused_moe_lora`` on the same weights in bf16 vs the MXFP4 HBM floor, T in
+{1, 8, 32, 128, 512}, L in {1, 4, 16}, R in {16, 64} (``bench_mxfp4.py``):
+
+    python benchmarks/bench_fused_moe_lora.py --mxfp4 --json mxfp4.json --md mxfp4.md
+
 Files: this script (the grid, its report and the targets against vLLM's numbers), ``moe_layer.py`` (the layer's
 weights, batches, baselines, bytes and CUDA-graph timing, shared), ``decode_ablation.py`` (the ablation).
 """
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from bench_mxfp4 import mxfp4_grid, mxfp4_markdown
 from decode_ablation import ablation_markdown, decode_ablation
 from moe_layer import (Layer, bytes_moved, fmt, lora_stacks, make_batch, make_layer, no_adapter, op_call, time_graph,
                        unfused_layer)
@@ -185,9 +192,31 @@ def main(argv=None):
     p.add_argument("--decode-ablation", action="store_true",
                    help="PDL off/on x top-k sum fused/unfused (+ base-only) at decode sizes: T in {1, 8, 32} "
                         "(or --tokens if given), L=4, R in {16, 64} (or --ranks), --models; a few minutes")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="GPT-OSS-20B with MXFP4 experts: MXFP4 vs bf16 vs the MXFP4 floor, T in {1, 8, 32, 128, "
+                        "512} (or --tokens), L in --adapters, R in --ranks; about 3 minutes (--quick: 1 minute)")
     p.add_argument("--json")
     p.add_argument("--md")
     a = p.parse_args(argv)
+    if a.mxfp4:
+        tokens = a.tokens or ([1, 32, 512] if a.quick else [1, 8, 32, 128, 512])
+        adapters, ranks = ([4], [16]) if a.quick else (a.adapters, a.ranks)
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; MXFP4 "
+              f"gpt-oss-20b T={tokens} L={adapters} R={ranks}", flush=True)
+
+        def save_mxfp4(results):
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "triton": triton.__version__, "argv": sys.argv, "results": results}, f, indent=1)
+
+        results = mxfp4_grid(tokens, adapters, ranks, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms, on_row=save_mxfp4)
+        text = mxfp4_markdown(results) + "\n"
+        print(text)
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(text)
+        return
     if a.tokens is None:
         a.tokens = [1, 8, 32] if a.decode_ablation else [1, 8, 32, 128, 512, 2048]
     if a.decode_ablation:

@@ -89,13 +89,15 @@ def make_batch(g: MoEGeometry, T: int, L: int, no_lora_fraction: float, seed: in
     return x, ids.to(torch.int32), weights, lora_ids
 
 
-def bytes_moved(g: MoEGeometry, R: int, batch) -> int:
-    """HBM bytes a perfect kernel moves: active experts' weights and biases, active (slot, expert) LoRA factors
-    (A13, B13, A2, B2 at rank R), x in and y out (bf16)."""
+def bytes_moved(g: MoEGeometry, R: int, batch, expert_nbytes: int | None = None) -> int:
+    """HBM bytes a perfect kernel moves: active experts' weights and biases (bf16, or ``expert_nbytes`` per
+    expert: MXFP4), active (slot, expert) LoRA factors (A13, B13, A2, B2 at rank R), x in and y out (bf16)."""
     x, ids, _, lora_ids = batch
     experts = ids.long()
     n_experts = int(torch.unique(experts).numel())
     base = n_experts * 3 * g.I * g.H * 2 + (n_experts * (2 * g.I + g.H) * 2 if g.bias else 0)
+    if expert_nbytes is not None:
+        base = n_experts * expert_nbytes
     slots = lora_ids.long()[:, None].expand_as(experts)
     has = slots >= 0
     n_pairs = int(torch.unique((slots * g.E + experts)[has]).numel())

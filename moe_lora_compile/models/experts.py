@@ -22,7 +22,16 @@ EXPERTS_IMPLEMENTATION = "moe_lora"
 
 
 def experts_geometry(experts: nn.Module, layout: str) -> tuple[int, int, int]:
-    """``(E, H, I)`` of an experts module from its ``gate_up_proj`` / ``down_proj`` in ``layout``."""
+    """``(E, H, I)`` of an experts module from its ``gate_up_proj`` / ``down_proj`` in ``layout`` (MXFP4 experts,
+    :class:`.mxfp4_gpt_oss.GptOssMxfp4Experts`: from the shapes they dequantize to)."""
+    from .mxfp4_gpt_oss import GptOssMxfp4Experts
+
+    if isinstance(experts, GptOssMxfp4Experts):
+        return expert_geometry(layout, experts.gate_up.shape, experts.down.shape)
+    if not experts.gate_up_proj.is_floating_point():
+        raise ValueError(f"experts: quantized {type(experts).__name__} ({experts.gate_up_proj.dtype} gate_up_proj, "
+                         f"e.g. transformers' hub-kernel MXFP4 experts) is not supported; hold MXFP4 experts as "
+                         f"GptOssMxfp4Experts (moe_lora_compile.models.mxfp4_gpt_oss) or load them dequantized")
     return expert_geometry(layout, experts.gate_up_proj.shape, experts.down_proj.shape)
 
 
@@ -30,7 +39,10 @@ def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routin
                      max_loras: int, max_rank: int, token_lora_ids: Tensor, use_ops: bool) -> None:
     """Register zeroed slot buffers and the static MoE attributes our forward reads on ``experts``."""
     E, H, I = experts_geometry(experts, layout)
-    like = dict(dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
+    weight = getattr(experts, "gate_up_proj", None)
+    if weight is None:  # MXFP4 experts: LoRA in the model dtype (their biases')
+        weight = experts.gate_up_proj_bias
+    like = dict(dtype=weight.dtype, device=weight.device)
     experts.register_buffer("lora_a13", torch.zeros(max_loras, E, max_rank, H, **like), persistent=False)
     experts.register_buffer("lora_b13", torch.zeros(max_loras, E, 2 * I, max_rank, **like), persistent=False)
     experts.register_buffer("lora_a2", torch.zeros(max_loras, E, max_rank, I, **like), persistent=False)

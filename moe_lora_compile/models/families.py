@@ -88,14 +88,17 @@ def family_for(model: nn.Module) -> Family:
 
 
 def find_experts(model: nn.Module, family: Family) -> dict[str, nn.Module]:
-    """``{module name: experts module}`` for every MoE block (ordered as in the model)."""
+    """``{module name: experts module}`` for every MoE block (ordered as in the model): transformers' fused
+    experts, or MXFP4 ones (:class:`.mxfp4_gpt_oss.GptOssMxfp4Experts`)."""
     if not family.is_moe:
         return {}
+    from .mxfp4_gpt_oss import GptOssMxfp4Experts
+
     suffix = f".{family.block_attr}.experts"
     return {
         name: module for name, module in model.named_modules()
-        if name.endswith(suffix) and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
-        and module.gate_up_proj.dim() == 3
+        if name.endswith(suffix) and (isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+                                      and module.gate_up_proj.dim() == 3 or isinstance(module, GptOssMxfp4Experts))
     }
 
 

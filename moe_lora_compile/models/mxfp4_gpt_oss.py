@@ -6,7 +6,9 @@ checkpoint's tensors under the checkpoint's names (``gate_up_proj_blocks`` uint8
 ``gate_up_proj_scales`` uint8 ``[E, 2I, H/32]``, ``down_proj_blocks`` ``[E, H, I/32, 16]``, ``down_proj_scales``
 ``[E, H, I/32]`` as buffers; ``gate_up_proj_bias [E, 2I]``, ``down_proj_bias [E, H]`` as frozen parameters in the
 model dtype), so a real checkpoint's state dict loads into it as is, and its forward has transformers' experts
-signature (dequantize, then the reference).
+signature (dequantize, then the reference). ``attach`` keeps it quantized: it adds the LoRA slot buffers (model
+dtype) and from then on the forward is ``torch.ops.moe_lora.fused_moe_lora_mxfp4`` over the blocks and scales
+(the Triton kernels decode them in their load path on CUDA; no dense copy of the experts is ever made).
 
 :func:`build_mxfp4_gpt_oss` makes a random stand-in for the checkpoint from a config: transformers'
 ``GptOssForCausalLM`` with every ``mlp.experts`` swapped for a quantized one (weights through
@@ -92,6 +94,8 @@ class GptOssMxfp4Experts(nn.Module):
         return Mxfp4Weight(self.down_proj_blocks, self.down_proj_scales)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if getattr(self, "moe_lora_layout", None) is not None:  # attached (models.experts.add_lora_buffers)
+            return self._lora_forward(hidden_states, top_k_index, top_k_weights)
         T = hidden_states.shape[0]
         E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
         like = dict(dtype=hidden_states.dtype, device=hidden_states.device)
@@ -103,6 +107,22 @@ class GptOssMxfp4Experts(nn.Module):
             hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), no_lora, self.gate_up, self.down,
             a13, b13, a2, b2, w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias,
             alpha=self.alpha, limit=self.limit)
+
+    def _lora_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """Every token adds the LoRA delta of slot ``token_lora_ids[t]`` (-1: none), like
+        :func:`..models.experts.moe_lora_experts_forward` for dense experts."""
+        token_lora_ids = self.token_lora_ids[: hidden_states.shape[0]]
+        alpha, limit = self.moe_lora_activation_constants
+        kwargs = dict(w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias, layout=self.moe_lora_layout,
+                      activation=self.moe_lora_activation, alpha=alpha, limit=limit,
+                      routing_weight_on_input=self.moe_lora_routing_on_input)
+        lora = (self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
+        if self.moe_lora_use_ops:  # plain tensors into the op (no Mxfp4Weight to trace under torch.compile)
+            return torch.ops.moe_lora.fused_moe_lora_mxfp4(
+                hidden_states, top_k_index, top_k_weights, token_lora_ids, self.gate_up_proj_blocks,
+                self.gate_up_proj_scales, self.down_proj_blocks, self.down_proj_scales, *lora, **kwargs)
+        return fused_moe_lora_mxfp4_reference(hidden_states, top_k_index, top_k_weights, token_lora_ids,
+                                              self.gate_up, self.down, *lora, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "

@@ -242,3 +242,62 @@ def check_route_args(hidden, weight, bias, top_k, scoring: str, renormalize: boo
     torch._check_value(top_k <= E, lambda: f"top_k must lie in [1, E = {E}], got {top_k}")
     if scores_dtype is not None and scores_dtype not in _FLOAT_DTYPES:
         raise TypeError(f"scores_dtype must be a floating dtype or None, got {scores_dtype}")
+
+
+# --- MXFP4 experts (``fused_moe_lora_mxfp4``; format: :mod:`.mxfp4`) --------------------------------------------
+
+MXFP4_GROUP_SIZE = 32  # inputs sharing one E8M0 scale byte (.mxfp4 and the kernels read it from here)
+
+
+class _DenseWeightSpec:
+    """Shape, dtype and device of the dense weight an MXFP4 one dequantizes to, for the dense checks (no tensor)."""
+
+    def __init__(self, shape, dtype, device):
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+def _check_mxfp4_pair(name: str, blocks, scales, x) -> _DenseWeightSpec:
+    """``{name}_blocks`` uint8 ``[E, N, K/32, 16]`` and ``{name}_scales`` uint8 ``[E, N, K/32]`` -> the spec of
+    the dense ``[E, K, N]`` weight (x's dtype and device) they stand for."""
+    b, s = f"{name}_blocks", f"{name}_scales"
+    _expect_rank(b, blocks, 4, "[E, N, K/32, 16] (uint8 MXFP4 blocks)")
+    _expect_rank(s, scales, 3, "[E, N, K/32] (uint8 E8M0 scales)")
+    _expect_dtype(b, blocks, (torch.uint8,), "uint8 (two E2M1 codes per byte)")
+    _expect_dtype(s, scales, (torch.uint8,), "uint8 (E8M0 exponents)")
+    _expect_dim(b, blocks, 3, 16, "[E, N, K/32, 16]")
+    expected = "[" + ", ".join(str(size) for size in blocks.shape[:3]) + "]"
+    for dim in range(3):
+        _expect_dim(s, scales, dim, blocks.shape[dim], f"[E, N, K/32] = {expected} like {b}")
+    for dim, letter in ((1, "N"), (2, "K/32")):
+        _expect_positive(b, blocks, dim, letter, "[E, N, K/32, 16]")
+    _expect_device(b, blocks, x)
+    _expect_device(s, scales, x)
+    E, N, groups = blocks.shape[0], blocks.shape[1], blocks.shape[2]
+    return _DenseWeightSpec((E, groups * MXFP4_GROUP_SIZE, N), x.dtype, x.device)
+
+
+def check_fused_moe_lora_mxfp4_args(
+    x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13, lora_b13,
+    lora_a2, lora_b2, w13_bias, w2_bias, layout: str, activation: str,
+) -> None:
+    """Checks of ``fused_moe_lora_mxfp4``: the MXFP4 tensors (w13 ``[E, 2I, H/32, 16]`` + ``[E, 2I, H/32]``, w2
+    ``[E, H, I/32, 16]`` + ``[E, H, I/32]``, uint8), a transposed ``layout`` (they dequantize to ``[E, in, out]``),
+    then :func:`check_fused_moe_lora_args` on the dense weights they stand for. ValueError/TypeError naming the
+    argument."""
+    check_layout(layout)
+    if not is_transposed(layout):
+        raise ValueError(f"layout must be a transposed layout for MXFP4 experts (they dequantize to [E, in, out]), "
+                         f"got {layout!r}")
+    _expect_rank("x", x, 2, "[T, H]")
+    w13 = _check_mxfp4_pair("w13", w13_blocks, w13_scales, x)
+    w2 = _check_mxfp4_pair("w2", w2_blocks, w2_scales, x)
+    H = x.shape[1]
+    torch._check_value(w13.shape[1] == H, lambda: f"w13_blocks must have shape [E, 2I, H/32, 16] with H = "
+                       f"x.shape[1] = {H}; got {_shape(w13_blocks)} (H = {w13.shape[1]})")
+    torch._check_value(w2.shape[2] == H, lambda: f"w2_blocks must have shape [E, H, I/32, 16] with H = "
+                       f"x.shape[1] = {H}; got {_shape(w2_blocks)}")
+    check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
+                              lora_b2, w13_bias, w2_bias, layout, activation)

@@ -39,7 +39,9 @@ How transformers builds MXFP4 GPT-OSS (read in 5.17 and 5.24):
 
 For a Triton kernel the checkpoint layout needs no re-layout: one expert's ``blocks`` viewed as ``[N, K/2]`` (K
 contiguous) and ``scales [N, K/32]`` are what ``tl.dot_scaled(x_bf16, None, "bf16", tl.trans(blocks_tile),
-scales_tile, "e2m1")`` reads (probed in ``tests/ops/test_mxfp4.py``, interpreter and GPU).
+scales_tile, "e2m1")`` reads (probed in ``tests/ops/test_mxfp4.py``, interpreter and GPU). The op over such
+weights is ``torch.ops.moe_lora.fused_moe_lora_mxfp4`` (:mod:`.fused_moe_lora_mxfp4`); its kernels decode in
+registers (:mod:`.triton.mxfp4_kernels`).
 
 So a GPT-OSS model that keeps MXFP4 experts without the hub is built by us:
 :func:`moe_lora_compile.models.mxfp4_gpt_oss.build_mxfp4_gpt_oss` (experts as ``GptOssMxfp4Experts``, the
@@ -57,14 +59,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, check_fused_moe_lora_args
+from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, MXFP4_GROUP_SIZE, check_fused_moe_lora_args
 from .layout import TRANSPOSED_INTERLEAVED, is_transposed
 from .reference import fused_moe_lora_reference
 
 # E2M1 code -> value (code 8 is -0.0). One home for the table.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP4_MAX = 6.0
-GROUP_SIZE = 32  # values sharing one scale
+GROUP_SIZE = MXFP4_GROUP_SIZE  # values sharing one scale
 BYTES_PER_GROUP = GROUP_SIZE // 2  # two codes per byte
 SCALE_BIAS = 127  # E8M0: factor 2 ** (scale - 127)
 _MAX_SCALE = 252  # largest scale byte quantize_mxfp4 emits: 6 * 2**125 is still finite in fp32

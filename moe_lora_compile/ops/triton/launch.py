@@ -40,6 +40,7 @@ from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
 from . import moe_kernels as K
+from . import mxfp4_kernels as MXK
 from .configs import GemmConfig, LinearKernelConfig, MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
 from .pdl import LaunchChain, supported_mode
 from .routing import sort_pairs
@@ -56,9 +57,10 @@ def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _tile(block: int, dim: int) -> int:
-    """A block size no larger than the padded dim (tl.dot needs >= 16)."""
-    return max(16, min(block, triton.next_power_of_2(dim)))
+def _tile(block: int, dim: int, mxfp4_scales: Optional[Tensor] = None) -> int:
+    """A block size no larger than the padded dim (tl.dot needs >= 16); a K block over MXFP4 weights (their
+    ``mxfp4_scales`` given) spans whole 32-input scale groups."""
+    return max(16 if mxfp4_scales is None else MXK.GROUP, min(block, triton.next_power_of_2(dim)))
 
 
 def _block_r(R: int) -> int:
@@ -104,14 +106,16 @@ def fused_moe_lora_triton(
     w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = CONCAT,
     activation: str = "silu", alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False, config: Union[MoEKernelConfig, dict, None] = None,
+    w13_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None,
 ) -> Tensor:
     """Same contract as :func:`..reference.fused_moe_lora_reference` (arguments already checked); y [T, H] x.dtype.
 
     ``config`` (a :class:`.configs.MoEKernelConfig` or its dict form) replaces the tuned/heuristic config; its
-    ``pdl`` then wins over ``MOE_LORA_PDL`` (:func:`.configs.requested_pdl`)."""
+    ``pdl`` then wins over ``MOE_LORA_PDL`` (:func:`.configs.requested_pdl`). ``w13_scales`` / ``w2_scales``
+    given: w13 / w2 are MXFP4 blocks (:func:`fused_moe_lora_mxfp4_triton`)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
-    E, _, I = expert_geometry(layout, w13.shape, w2.shape)
+    E, _, I = expert_geometry(layout, _logical_shape(w13, w13_scales), _logical_shape(w2, w2_scales))
     L, R = lora_a13.shape[0], lora_a13.shape[2]
     if T == 0:
         return x.new_empty((0, H))
@@ -138,8 +142,8 @@ def fused_moe_lora_triton(
     dot_precision = _dot_precision(x.dtype)
 
     c13, c2 = cfg.w13, cfg.w2
-    block_n, block_k = _tile(c13.BLOCK_N, I), _tile(c13.BLOCK_K, H)
-    block_n2, block_k2 = _tile(c2.BLOCK_N, H), _tile(c2.BLOCK_K, I)
+    block_n, block_k = _tile(c13.BLOCK_N, I), _tile(c13.BLOCK_K, H, w13_scales)
+    block_n2, block_k2 = _tile(c2.BLOCK_N, H), _tile(c2.BLOCK_K, I, w2_scales)
     split13, k_per_split13, even_k13 = _k_split(H, block_k, c13.SPLIT_K)
     # Top-k sum inside the w2 kernel (per-pair mode): fp32 partial per pair (and K slice), the last of a token's
     # programs per H tile sums them. w2 split-K exists only on this path.
@@ -161,10 +165,8 @@ def fused_moe_lora_triton(
         if fuse_shrink2 else None
     # w13 split-K: fp32 partial gate/up per K slice (valid rows only are written)
     part = torch.empty((split13, rows, 2 * I), dtype=torch.float32, device=x.device) if split13 > 1 else None
-    stride_w13_e, stride_w13_k, stride_w13_n = in_out_strides(w13, layout)  # (e, k over H, n over 2I)
     K.moe_w13_kernel[(grid_m * triton.cdiv(I, block_n), split13)](
-        x_ptr=x, stride_xt=x.stride(0), w_ptr=w13, stride_we=stride_w13_e, stride_wk=stride_w13_k,
-        stride_wn=stride_w13_n, bias_ptr=w13_bias, stride_bias_e=0 if w13_bias is None else w13_bias.stride(0),
+        x_ptr=x, stride_xt=x.stride(0), **_base_weight_args(w13, w13_scales, layout), bias_ptr=w13_bias, stride_bias_e=0 if w13_bias is None else w13_bias.stride(0),
         b_ptr=b13, stride_bl=b13.stride(0), stride_be=b13.stride(1), stride_bn=b13.stride(2),
         s_ptr=s13, num_splits=s13.shape[0], split_stride=s13.stride(0), act_ptr=act, topk_weights_ptr=weights_flat,
         token_lora_ptr=token_lora_ids, row_pair_ptr=row_pair, block_expert_ptr=block_expert, topk_ids_ptr=topk_flat,
@@ -191,10 +193,8 @@ def fused_moe_lora_triton(
         y = torch.empty((T, H), dtype=x.dtype, device=x.device)
     else:  # one row per pair, in x.dtype
         out, y = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device), None
-    stride_w2_e, stride_w2_k, stride_w2_n = in_out_strides(w2, layout)  # (e, k over I, n over H)
     K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2), split2)](
-        in_ptr=act, stride_in=act.stride(0), w_ptr=w2, stride_we=stride_w2_e, stride_wk=stride_w2_k,
-        stride_wn=stride_w2_n, bias_ptr=w2_bias, stride_bias_e=0 if w2_bias is None else w2_bias.stride(0),
+        in_ptr=act, stride_in=act.stride(0), **_base_weight_args(w2, w2_scales, layout), bias_ptr=w2_bias, stride_bias_e=0 if w2_bias is None else w2_bias.stride(0),
         b_ptr=b2, stride_bl=b2.stride(0), stride_be=b2.stride(1), stride_bn=b2.stride(2),
         s_ptr=s2, num_splits=s2.shape[0], split_stride=s2.stride(0), out_ptr=out, stride_out=out.stride(0),
         topk_weights_ptr=None if routing_weight_on_input else weights_flat, token_lora_ptr=token_lora_ids,
@@ -309,3 +309,38 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c.num_warps, num_stages=c.num_stages,
         **chain.next())
     return out
+
+
+# --- MXFP4 base weights (the kernels' W_FORMAT, :mod:`.mxfp4_kernels`) -------------------------------------------
+
+
+def _logical_shape(w: Tensor, scales: Optional[Tensor]) -> tuple[int, int, int]:
+    """The dense ``[E, in, out]`` shape of MXFP4 ``blocks [E, out, in/32, 16]`` (scales given), else ``w.shape``."""
+    if scales is None:
+        return tuple(w.shape)
+    return w.shape[0], w.shape[2] * MXK.GROUP, w.shape[1]
+
+
+def _base_weight_args(w: Tensor, scales: Optional[Tensor], layout: str) -> dict:
+    """The GEMM kernels' base-weight arguments: dense ``w`` in ``layout`` (element (e, in, out) strides), or MXFP4
+    blocks uint8 ``[E, out, in/32, 16]`` + ``scales [E, out, in/32]`` (contiguous past dim 1)."""
+    if scales is None:
+        stride_e, stride_k, stride_n = in_out_strides(w, layout)
+        return dict(w_ptr=w, stride_we=stride_e, stride_wk=stride_k, stride_wn=stride_n)
+    return dict(w_ptr=w, stride_we=w.stride(0), stride_wk=0, stride_wn=w.stride(1), w_scales_ptr=scales,
+                stride_se=scales.stride(0), stride_sn=scales.stride(1), W_FORMAT=MXK.MXFP4)
+
+
+def fused_moe_lora_mxfp4_triton(
+    x: Tensor, topk_ids: Tensor, topk_weights: Tensor, token_lora_ids: Tensor, w13_blocks: Tensor,
+    w13_scales: Tensor, w2_blocks: Tensor, w2_scales: Tensor, lora_a13: Tensor, lora_b13: Tensor, lora_a2: Tensor,
+    lora_b2: Tensor, **kwargs,
+) -> Tensor:
+    """:func:`fused_moe_lora_triton` over MXFP4 experts (arguments already checked): ``w13_blocks`` uint8
+    ``[E, 2I, H/32, 16]`` + ``w13_scales [E, 2I, H/32]``, ``w2_blocks [E, H, I/32, 16]`` + ``w2_scales [E, H, I/32]``
+    (the checkpoint's layout, made contiguous past the expert dim), decoded to x.dtype in the GEMMs' load path.
+    ``kwargs``: those of :func:`fused_moe_lora_triton` (``layout`` a transposed one). y [T, H] x.dtype."""
+    w13_blocks, w13_scales, w2_blocks, w2_scales = (
+        t if t[0].is_contiguous() else t.contiguous() for t in (w13_blocks, w13_scales, w2_blocks, w2_scales))
+    return fused_moe_lora_triton(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w2_blocks, lora_a13, lora_b13,
+                                 lora_a2, lora_b2, w13_scales=w13_scales, w2_scales=w2_scales, **kwargs)

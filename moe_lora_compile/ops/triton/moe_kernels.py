@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..contract import NO_ADAPTER
+from .mxfp4_kernels import MXFP4, mxfp4_expert_gemm
 
 # Values of the kernels' constexpr switches, for the host (launchers); jit code compares with the tl.constexpr twins
 # below (a @triton.jit function may only read globals that are constexprs).
@@ -41,6 +42,7 @@ _PDL_EARLY, _PDL_LATE = tl.constexpr(PDL_EARLY), tl.constexpr(PDL_LATE)
 _NO_PAIR = tl.constexpr(NO_PAIR)
 _NO_ADAPTER = tl.constexpr(NO_ADAPTER)  # token_lora_ids of a token without adapter
 _NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions
+_MXFP4 = tl.constexpr(MXFP4)  # W_FORMAT: MXFP4 base weights (:mod:`.mxfp4_kernels`); else dense in x's dtype
 
 
 @triton.jit
@@ -245,6 +247,7 @@ def moe_w13_kernel(
     ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     WAIT_AFTER_MAIN_LOOP: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
+    w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
@@ -262,7 +265,11 @@ def moe_w13_kernel(
 
     PDL (WAIT_AFTER_MAIN_LOOP): unlike the other kernels, this one waits for its predecessor (shrink13) only after
     the main loop, which reads nothing shrink13 writes (x, W13, routing data: all written before shrink13 passed
-    its own wait, and so before this kernel could launch); the weights stream while shrink13 still runs."""
+    its own wait, and so before this kernel could launch); the weights stream while shrink13 still runs.
+
+    W_FORMAT MXFP4: ``w_ptr`` is W13's blocks uint8 ``[E, 2I, H/32, 16]`` (byte (e, n, k/2) at e*stride_we +
+    n*stride_wn + k//2) and ``w_scales_ptr`` its scales ``[E, 2I, H/32]`` (e*stride_se + n*stride_sn + k//32),
+    decoded in the main loop (:func:`.mxfp4_kernels.mxfp4_expert_gemm`); stride_wk is unused."""
     if not WAIT_AFTER_MAIN_LOOP:
         grid_dependency_sync(USE_PDL)
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -290,8 +297,20 @@ def moe_w13_kernel(
         # One contiguous tile of 2*BLOCK_N columns (gate, up, gate, up, ...), split after the epilogue adds.
         cols = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         col_mask = cols < 2 * I
-        h = _expert_gemm(x_ptrs, w_base + cols[None, :] * stride_wn, k_start, k_end, stride_wk, col_mask,
-                         BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+        if W_FORMAT == _MXFP4:
+            h = mxfp4_expert_gemm(x_ptrs, w_ptr + expert * stride_we, w_scales_ptr + expert * stride_se, cols,
+                                  stride_wn, stride_sn, k_start, k_end, col_mask, BLOCK_M, 2 * BLOCK_N, BLOCK_K,
+                                  EVEN_K, EVEN_N, DOT_PRECISION)
+        else:
+            h = _expert_gemm(x_ptrs, w_base + cols[None, :] * stride_wn, k_start, k_end, stride_wk, col_mask,
+                             BLOCK_M, 2 * BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+    elif W_FORMAT == _MXFP4:  # gate and up rows apart (concat): one decoded GEMM each
+        w_blocks = w_ptr + expert * stride_we
+        w_scales = w_scales_ptr + expert * stride_se
+        gate = mxfp4_expert_gemm(x_ptrs, w_blocks, w_scales, gate_cols, stride_wn, stride_sn, k_start, k_end, j_mask,
+                                 BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+        up = mxfp4_expert_gemm(x_ptrs, w_blocks, w_scales, up_cols, stride_wn, stride_sn, k_start, k_end, j_mask,
+                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
     else:
         wg_ptrs = w_base + gate_cols[None, :] * stride_wn + k_start * stride_wk
         wu_ptrs = w_base + up_cols[None, :] * stride_wn + k_start * stride_wk
@@ -418,6 +437,7 @@ def moe_w2_kernel(
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_OUTPUT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
+    w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM.
 
@@ -431,7 +451,10 @@ def moe_w2_kernel(
 
     SPLIT_K > 1 (TOPK_SUM only; grid (tiles, SPLIT_K)): program ``p`` does K slice ``[p*k_per_split, ...)`` and
     writes its partial (times the routing weight; LoRA and bias in slice 0 only) to scratch row
-    ``p*num_pairs + pair``; the last of the token's top_k*SPLIT_K programs of the tile sums them all."""
+    ``p*num_pairs + pair``; the last of the token's top_k*SPLIT_K programs of the tile sums them all.
+
+    W_FORMAT MXFP4: ``w_ptr`` is W2's blocks uint8 ``[E, H, I/32, 16]``, ``w_scales_ptr`` its scales (addressed
+    like the w13 kernel's)."""
     grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
     pid_k = tl.program_id(1)
@@ -451,10 +474,15 @@ def moe_w2_kernel(
     else:
         in_rows = rows.to(tl.int64)
     in_ptrs = in_ptr + in_rows[:, None] * stride_in + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
     k_start = pid_k * k_per_split
-    acc = _expert_gemm(in_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+    if W_FORMAT == _MXFP4:
+        acc = mxfp4_expert_gemm(in_ptrs, w_ptr + expert * stride_we, w_scales_ptr + expert * stride_se, offs_n,
+                                stride_wn, stride_sn, k_start, tl.minimum(k_start + k_per_split, K), n_mask,
+                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        acc = _expert_gemm(in_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
+                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
     launch_dependents(USE_PDL)
 
     lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
