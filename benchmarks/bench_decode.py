@@ -337,7 +337,7 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
     if "hf_compiled" in args.columns:
         from transformers import CompileConfig
         for w in workloads:
-            if w.batch > args.hf_max_batch:
+            if w.batch > args.hf_max_batch or (args.hf_compiled_batches and w.batch not in args.hf_compiled_batches):
                 continue
             new = min(w.new, args.hf_new)
             cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
@@ -491,6 +491,8 @@ def main(argv=None) -> int:
                    help="one more workload shaped like a chat request, e.g. 1 1600 600")
     p.add_argument("--columns", nargs="+", default=["hf_eager", "hf_peft", "ours_none", "ours_lora"], choices=COLUMNS)
     p.add_argument("--hf-compiled", action="store_true", help="add the hf_compiled column (minutes of compile)")
+    p.add_argument("--hf-compiled-batches", type=int, nargs="+", default=None,
+                   help="batches of the hf_compiled column (default: all; each batch is a compile of minutes)")
     p.add_argument("--hf-new", type=int, default=32, help="new tokens timed for the HF columns (steady state)")
     p.add_argument("--hf-max-batch", type=int, default=64)
     p.add_argument("--adapters", type=int, default=8)
