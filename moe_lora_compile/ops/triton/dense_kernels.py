@@ -136,27 +136,46 @@ def lora_linear_kernel(
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit
+def _gemv_step(acc, x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """acc [BLOCK_T, BLOCK_N, BLOCK_K] += x [BLOCK_T, BLOCK_N, BLOCK_K] (the same row at every n) * w [1, BLOCK_N,
+    BLOCK_K] in fp32. The loads are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's:
+    no layout conversion in the loop."""
+    if MASK_K:
+        x = tl.load(x_ptrs, mask=k_mask[None, None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0)
+    return acc + x.to(tl.float32) * w.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T", "split_k"])
 def lora_gemv_kernel(
     x_ptr, stride_x, w_ptr, stride_wn, bias_ptr, b_ptr, stride_bl, stride_bn, s_ptr, num_splits, split_stride,
-    token_lora_ptr, y_ptr, stride_y, part_ptr, counter_ptr, T, K, N, R, k_per_split,
+    token_lora_ptr, y_ptr, stride_y, part_ptr, counter_ptr, T, K, N, R, split_k, k_per_split,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_SPLIT_K: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0,
 ):
     """``lora_linear_kernel``'s result for a handful of tokens (T <= BLOCK_T), as a GEMV: no ``tl.dot``, no 16-row
-    padding. Grid (cdiv(N, BLOCK_N), SPLIT_K). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
-    over K slice ``[p*k_per_split, ...)`` (W [N, K] with K contiguous: coalesced along K) and multiplies them by the
-    T token rows by broadcast, fp32 products summed over K once after the loop.
+    padding. Grid (cdiv(N, BLOCK_N), split_k). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
+    over K slice ``[p*k_per_split, ...)`` (W [N, K] with K contiguous: coalesced along K; ``k_per_split`` a multiple
+    of BLOCK_K, so only the last slice can end in a partial step, masked, when not EVEN_K = K % BLOCK_K == 0) and
+    multiplies them by the T token rows by broadcast, fp32 products summed over K once after the loop.
 
     x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k; B element (l, n, r) at l*stride_bl + n*stride_bn
     + r; s [num_splits, >= T, R] fp32 (the per-token shrink's slices); y [T, N].
 
     Epilogue (slice 0): per token t with ``l = token_lora[t] >= 0``, ``s[t] B[l]^T`` over the program's columns (a
     gather of B by each token's own slot: tokens of ``-1`` load nothing, a non-finite slot reaches only its own
-    tokens) and the bias. SPLIT_K > 1: each program writes its fp32 partial to ``part [SPLIT_K, T, N]``; the last
-    of a column tile's SPLIT_K programs to arrive at ``counter [cdiv(N, BLOCK_N)]`` (int32, zeroed by the shrink)
-    sums them in slice order and writes y: deterministic, no float atomics, no extra launch.
+    tokens) and the bias. USE_SPLIT_K (split_k > 1, a runtime count: one compile for any split): each program
+    writes its fp32 partial to ``part [split_k, T, N]``; the last of a column tile's split_k programs to arrive at
+    ``counter [cdiv(N, BLOCK_N)]`` (int32, zeroed by the shrink) sums them in slice order and writes y:
+    deterministic, no float atomics, no extra launch.
 
     PDL: the main loop reads only x (written before the shrink, the first kernel of the pair) and W, so it runs
     before the wait for the shrink (the weight streams while the shrink runs)."""
@@ -169,21 +188,18 @@ def lora_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    x_ptrs = x_ptr + tl.where(t_mask, offs_t, 0).to(tl.int64)[:, None] * stride_x + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+    # x broadcast over the N axis in the pointers, not in registers: its loads then take W's layout (repeated
+    # addresses, served by L1) instead of a layout conversion through shared memory at every K step
+    x_ptrs = (x_ptr + tl.where(t_mask, offs_t, 0).to(tl.int64)[:, None, None] * stride_x
+              + tl.zeros([1, BLOCK_N, 1], dtype=tl.int64) + offs_k[None, None, :])
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs + k0)
-            if EVEN_N:
-                w = tl.load(w_ptrs + k0)
-            else:
-                w = tl.load(w_ptrs + k0, mask=n_mask[:, None], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < k_end
-            x = tl.load(x_ptrs + k0, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    for k0 in range(k_start, k_full, BLOCK_K):
+        acc = _gemv_step(acc, x_ptrs + k0, w_ptrs + k0, None, n_mask, False, EVEN_N)
+    if not EVEN_K:
+        if k_full < k_end:  # the partial step at the end of K
+            acc = _gemv_step(acc, x_ptrs + k_full, w_ptrs + k_full, (k_full + offs_k) < k_end, n_mask, True, EVEN_N)
     out = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
     grid_dependency_sync(USE_PDL)  # now the shrink's rank vectors and zeroed counters are visible
     launch_dependents(USE_PDL)
@@ -200,25 +216,24 @@ def lora_gemv_kernel(
                 s += tl.load(s_ptrs + split * split_stride, mask=s_mask, other=0.0)
             b_ptrs = (b_ptr + tl.where(has_lora, lora, 0)[:, None, None] * stride_bl
                       + offs_n.to(tl.int64)[None, :, None] * stride_bn + offs_r[None, None, :])
-            b_mask = s_mask[:, None, :] & n_mask[None, :, None]
-            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
             delta = tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)
             out += tl.where(has_lora[:, None], delta, 0.0)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
     y_mask = t_mask[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if not USE_SPLIT_K:
         tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        part_ptrs = part_ptr + (pid_k * T + offs_t).to(tl.int64)[:, None] * N + offs_n[None, :]
-        tl.store(part_ptrs, out, mask=y_mask)
+        first = part_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+        slice_stride = T.to(tl.int64) * N
+        tl.store(first + pid_k * slice_stride, out, mask=y_mask)
         # Arrive: all threads' partial stores happen before one thread's acq_rel atomic (release side).
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:  # the tile's other partials are written and visible
-            first = part_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+        if arrived == split_k - 1:  # the tile's other partials are written and visible
             y = tl.load(first, mask=y_mask, other=0.0, cache_modifier=".cg")
-            for sp in range(1, SPLIT_K):
-                y += tl.load(first + sp * T * N, mask=y_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, split_k):
+                y += tl.load(first + sp * slice_stride, mask=y_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=y_mask)

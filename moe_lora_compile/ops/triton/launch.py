@@ -300,7 +300,7 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
     block_n = max(1, min(c.BLOCK_N, triton.next_power_of_2(n_out)))  # no tl.dot: no 16-wide minimum
     block_k = max(16, min(c.BLOCK_K, triton.next_power_of_2(n_in)))
     tiles = triton.cdiv(n_out, block_n)
-    split_k, k_per_split, even_k = _k_split(n_in, block_k, c.SPLIT_K)
+    split_k, k_per_split, _ = _k_split(n_in, block_k, c.SPLIT_K)
     counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
     s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=T, cfg=cfg.shrink, launch=chain.next(),
                             counters=counters)
@@ -310,8 +310,9 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
         x_ptr=x, stride_x=x.stride(0), w_ptr=weight, stride_wn=weight.stride(0), bias_ptr=bias, b_ptr=b,
         stride_bl=b.stride(0), stride_bn=b.stride(1), s_ptr=s, num_splits=s.shape[0], split_stride=s.stride(0),
         token_lora_ptr=token_lora_ids, y_ptr=out, stride_y=out.stride(0), part_ptr=part,
-        counter_ptr=counters if split_k > 1 else None, T=T, K=n_in, N=n_out, R=R, k_per_split=k_per_split,
-        BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R),
-        HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0, SPLIT_K=split_k,
+        counter_ptr=counters if split_k > 1 else None, T=T, K=n_in, N=n_out, R=R, split_k=split_k,
+        k_per_split=k_per_split, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_R=_block_r(R), HAS_BIAS=bias is not None, EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0,
+        USE_SPLIT_K=split_k > 1,
         num_warps=c.num_warps, num_stages=c.num_stages, **chain.next())
     return out
