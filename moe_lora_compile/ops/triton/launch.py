@@ -40,7 +40,7 @@ from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
 from . import moe_kernels as K
-from .configs import GemmConfig, LinearKernelConfig, MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
+from .configs import LinearKernelConfig, MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
 from .configs import GEMV_MAX_T, ROWS_SHRINK_MAX_T, default_linear_config, get_linear_config  # noqa: F401
 from .pdl import LaunchChain, supported_mode
 from .routing import sort_pairs
