@@ -1,5 +1,12 @@
-"""@triton.jit kernels of ``lora_linear``: the per-token shrink for decode-sized batches and the GEMM with the LoRA
-expand in its epilogue (split-K at decode). The block shrink for larger batches is :mod:`.moe_kernels`' DENSE mode.
+"""@triton.jit kernels of ``lora_linear``: the per-token shrink for decode-sized batches, the GEMM with the LoRA
+expand in its epilogue (split-K at decode), and the GEMV for a handful of tokens (same epilogue, no ``tl.dot``, no
+16-row padding). The block shrink for larger batches is :mod:`.moe_kernels`' DENSE mode.
+
+GEMV (:func:`lora_gemv_kernel`, T <= 8, the heuristic's choice up to 4; the tuned table may say otherwise). At
+batch 1 the GEMM spent 15 of its 16 ``tl.dot`` rows on padding and ran at ~43 % of HBM bandwidth on the H200; the
+GEMV streams W [BLOCK_N, BLOCK_K] tiles along K (W is [N, K], K contiguous) into an fp32 [T, BLOCK_N, BLOCK_K]
+accumulator (x broadcast over the columns), split-K over about 4 programs per SM, and with PDL it streams the
+weight while the shrink still runs (its main loop reads nothing the shrink writes).
 
 Shrink. At decode a block of 16 tokens can hold as many adapter slots as tokens, and the block shrink then walks every slot
 of the block serially on a handful of programs (measured on the H200: ~37 us a launch for 8 tokens of 8 adapters at
