@@ -23,10 +23,11 @@ from moe_lora_compile.ops.triton.launch import lora_linear_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def gemv_config(block_n=16, block_k=16, split_k=1, shrink_split=2, gemv=True) -> LinearKernelConfig:
+def gemv_config(block_n=16, block_k=16, split_k=1, shrink_split=2, gemv=True, prefetch=False) -> LinearKernelConfig:
+    """Tiny tiles for the interpreter; ``prefetch``: num_stages 2, the GEMV loads one K step ahead."""
     return LinearKernelConfig(BLOCK_M=16, per_token=True, gemv=gemv,
                               gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=1, num_warps=4,
-                                              num_stages=1, SPLIT_K=split_k),
+                                              num_stages=2 if prefetch else 1, SPLIT_K=split_k),
                               shrink=ShrinkConfig(BLOCK_K=16, SPLIT_K=shrink_split, num_warps=4, num_stages=1))
 
 
@@ -65,9 +66,10 @@ def run(args, bias, cfg, device=DEVICE):
     (2, 32, 16, [1, 0], 1, 16, False, {"R": 6}),        # rank 6: BLOCK_R 16 with masked rank lanes
     (6, 32, 24, [0, -1, 2, 1, 1, -1], 2, 8, True, {}),  # T = 6: an 8-token block (GEMV_MAX_T), two padding rows
 ])
-def test_gemv_matches_oracle(T, n_in, n_out, ids, split_k, block_n, bias, extra):
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])  # the two main loops
+def test_gemv_matches_oracle(T, n_in, n_out, ids, split_k, block_n, bias, extra, prefetch):
     args, bv = make(T, n_in, n_out, ids, bias=bias, **extra)
-    y = run(args, bv, gemv_config(block_n=block_n, split_k=split_k))
+    y = run(args, bv, gemv_config(block_n=block_n, split_k=split_k, prefetch=prefetch))
     assert y.shape == (T, n_out) and y.dtype == torch.float32
     torch.testing.assert_close(y.cpu().double(), lora_linear_oracle(*args, bias=bv), rtol=1e-4, atol=1e-4)
 

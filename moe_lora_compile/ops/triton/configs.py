@@ -152,7 +152,8 @@ class LinearKernelConfig:
     a tile sums them); ``shrink``: the LoRA shrink; ``per_token``: the per-token shrink (decode-sized batches,
     :mod:`.dense_kernels`) instead of the block shrink; ``gemv``: the GEMV kernel instead of the GEMM (a handful of
     tokens, at most :data:`GEMV_MAX_T`; it reads ``gemm``'s BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, not
-    ``BLOCK_M`` or GROUP_SIZE_M, and always takes the per-token shrink); ``pdl``: see :func:`requested_pdl`.
+    ``BLOCK_M`` or GROUP_SIZE_M, and always takes the per-token shrink; its ``num_stages`` >= 2 means loads one K
+    step ahead, in registers); ``pdl``: see :func:`requested_pdl`.
 
     Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl"}`` (``per_token`` may also
     sit in ``shrink``, as older configs have it)."""
@@ -332,7 +333,8 @@ GEMV_DEFAULT_MAX_T = 4  # the heuristic picks the GEMV up to this many tokens
 def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> LinearKernelConfig:
     """Heuristic ``lora_linear`` config. T <= :data:`GEMV_DEFAULT_MAX_T`: the GEMV (32 columns x 128 K steps a
     program for T <= 2, 16 columns for more tokens, so its [T, BLOCK_N, BLOCK_K] fp32 accumulator stays at 32 per
-    thread; split-K to about 4 programs per SM). Other decode sizes (T <= 64) are a skinny GEMM that streams the
+    thread; split-K to about 4 programs per SM; no register prefetch: occupancy keeps the loads in flight). Other
+    decode sizes (T <= 64) are a skinny GEMM that streams the
     weight once: 64-wide column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two
     programs per SM stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way.
     Larger batches: 64x64 tiles, block shrink, no split."""
@@ -353,7 +355,7 @@ def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: 
     return LinearKernelConfig(
         BLOCK_M=block_m, per_token=small, gemv=gemv,
         gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=8, num_warps=4,
-                        num_stages=4 if small else 3, SPLIT_K=split_k),
+                        num_stages=1 if gemv else 4 if small else 3, SPLIT_K=split_k),
         shrink=ShrinkConfig(BLOCK_K=128 if small else 64, SPLIT_K=rows_split if small else 1, num_warps=4,
                             num_stages=2))
 

@@ -144,10 +144,9 @@ def lora_linear_kernel(
 
 
 @triton.jit
-def _gemv_step(acc, x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.constexpr):
-    """acc [BLOCK_T, BLOCK_N, BLOCK_K] += x [BLOCK_T, BLOCK_N, BLOCK_K] (the same row at every n) * w [1, BLOCK_N,
-    BLOCK_K] in fp32. The loads are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's:
-    no layout conversion in the loop."""
+def _gemv_load(x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """-> (x [BLOCK_T, BLOCK_N, BLOCK_K] (the same row at every n), w [1, BLOCK_N, BLOCK_K]) at one K step. The loads
+    are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's: no layout conversion."""
     if MASK_K:
         x = tl.load(x_ptrs, mask=k_mask[None, None, :], other=0.0)
         w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0)
@@ -157,7 +156,7 @@ def _gemv_step(acc, x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0)
-    return acc + x.to(tl.float32) * w.to(tl.float32)
+    return x, w
 
 
 @triton.jit(do_not_specialize=["T", "split_k"])
@@ -166,13 +165,15 @@ def lora_gemv_kernel(
     token_lora_ptr, y_ptr, stride_y, part_ptr, counter_ptr, T, K, N, R, split_k, k_per_split,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_SPLIT_K: tl.constexpr = False,
-    USE_PDL: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
 ):
     """``lora_linear_kernel``'s result for a handful of tokens (T <= BLOCK_T), as a GEMV: no ``tl.dot``, no 16-row
     padding. Grid (cdiv(N, BLOCK_N), split_k). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
     over K slice ``[p*k_per_split, ...)`` (W [N, K] with K contiguous: coalesced along K; ``k_per_split`` a multiple
     of BLOCK_K, so only the last slice can end in a partial step, masked, when not EVEN_K = K % BLOCK_K == 0) and
-    multiplies them by the T token rows by broadcast, fp32 products summed over K once after the loop.
+    multiplies them by the T token rows by broadcast, fp32 products summed over K once after the loop. PREFETCH:
+    the loop loads one step ahead (software pipelining in registers; Triton's own pipeliner leaves loads that feed
+    no ``tl.dot`` alone).
 
     x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k; B element (l, n, r) at l*stride_bl + n*stride_bn
     + r; s [num_splits, >= T, R] fp32 (the per-token shrink's slices); y [T, N].
@@ -202,11 +203,22 @@ def lora_gemv_kernel(
               + tl.zeros([1, BLOCK_N, 1], dtype=tl.int64) + offs_k[None, None, :])
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]
     acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(k_start, k_full, BLOCK_K):
-        acc = _gemv_step(acc, x_ptrs + k0, w_ptrs + k0, None, n_mask, False, EVEN_N)
+    if PREFETCH:  # the next step's tiles load while this step's multiply-adds wait for theirs: 2 tiles in flight
+        if k_start < k_full:
+            x, w = _gemv_load(x_ptrs + k_start, w_ptrs + k_start, None, n_mask, False, EVEN_N)
+            for k0 in range(k_start + BLOCK_K, k_full, BLOCK_K):
+                x_next, w_next = _gemv_load(x_ptrs + k0, w_ptrs + k0, None, n_mask, False, EVEN_N)
+                acc += x.to(tl.float32) * w.to(tl.float32)
+                x, w = x_next, w_next
+            acc += x.to(tl.float32) * w.to(tl.float32)
+    else:
+        for k0 in range(k_start, k_full, BLOCK_K):
+            x, w = _gemv_load(x_ptrs + k0, w_ptrs + k0, None, n_mask, False, EVEN_N)
+            acc += x.to(tl.float32) * w.to(tl.float32)
     if not EVEN_K:
         if k_full < k_end:  # the partial step at the end of K
-            acc = _gemv_step(acc, x_ptrs + k_full, w_ptrs + k_full, (k_full + offs_k) < k_end, n_mask, True, EVEN_N)
+            x, w = _gemv_load(x_ptrs + k_full, w_ptrs + k_full, (k_full + offs_k) < k_end, n_mask, True, EVEN_N)
+            acc += x.to(tl.float32) * w.to(tl.float32)
     out = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
     grid_dependency_sync(USE_PDL)  # now the shrink's rank vectors and zeroed counters are visible
     launch_dependents(USE_PDL)

@@ -313,6 +313,5 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
         counter_ptr=counters if split_k > 1 else None, T=T, K=n_in, N=n_out, R=R, split_k=split_k,
         k_per_split=k_per_split, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_R=_block_r(R), HAS_BIAS=bias is not None, EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0,
-        USE_SPLIT_K=split_k > 1,
-        num_warps=c.num_warps, num_stages=c.num_stages, **chain.next())
+        USE_SPLIT_K=split_k > 1, PREFETCH=c.num_stages >= 2, num_warps=c.num_warps, num_stages=1, **chain.next())
     return out

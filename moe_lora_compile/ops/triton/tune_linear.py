@@ -6,7 +6,7 @@ Shapes: the fused q/k/v and the o projection of each ``--models`` entry (:data:`
 GPT-OSS with its attention biases), T in ``--tokens``, rank ``--rank`` with ``--slots`` adapter slots, tokens of
 distinct adapters. Candidates: the GEMV path (BLOCK_N x BLOCK_K x split-K to about 1, 2, 4, 8 programs per SM) and
 the GEMM path (BLOCK_N x BLOCK_K x split-K), then num_warps/num_stages, the shrink's split-K and PDL around the best
-three. A candidate is timed in a realistic mode: ONE CUDA graph of ``--layers`` calls over as many distinct weight
+``--top``. A candidate is timed in a realistic mode: ONE CUDA graph of ``--layers`` calls over as many distinct weight
 sets (the weights do not fit in L2, the replay overhead is amortised), ``triton.testing.do_bench`` median over
 replays, once with every token on an adapter and once with every token ``-1``; the score is the sum of the two (one
 entry serves both: whether a token has an adapter is data). Candidates are compiled first by ``--jobs`` worker
@@ -37,7 +37,8 @@ PROG = "python -m moe_lora_compile.ops.triton.tune_linear"
 GEMV_TILES = [(bn, bk) for bn in (8, 16, 32, 64) for bk in (64, 128, 256)]
 GEMM_TILES = [(bn, bk) for bn in (32, 64, 128) for bk in (64, 128)]
 PROGRAMS_PER_SM = (1, 2, 4, 8)
-WARPS_STAGES = ((2, 2), (4, 1), (4, 3), (8, 2))
+WARPS_STAGES = {True: ((2, 1), (4, 1), (4, 2), (8, 1)),  # GEMV: num_stages >= 2 = loads one step ahead
+                 False: ((4, 2), (4, 3), (4, 4), (8, 3))}  # GEMM: Triton's software pipeline depth
 ACC_PER_THREAD = 64  # GEMV tiles whose fp32 accumulator [BLOCK_T, BLOCK_N, BLOCK_K] needs more registers are skipped
 
 
@@ -86,7 +87,7 @@ def stage1(T: int, s: Shape, num_sms: int):
             for split in _splits(s.n_in, bk, -(-s.n_out // bn), num_sms):
                 out.append(("gemv", base.replace(gemv=True, **{"gemm.BLOCK_N": bn, "gemm.BLOCK_K": bk,
                                                                "gemm.SPLIT_K": split, "gemm.num_warps": 4,
-                                                               "gemm.num_stages": 2})))
+                                                               "gemm.num_stages": 1})))
     tiles = GEMM_TILES if T > GEMV_DEFAULT_MAX_T // 2 else [(32, 128), (64, 128)]
     for bn, bk in tiles:
         for split in _splits(s.n_in, bk, -(-s.n_out // bn), num_sms)[:3]:
@@ -98,13 +99,13 @@ def stage2(best: list) -> list:
     """Around each of the best configs: num_warps/num_stages, the shrink's split-K halved/doubled, PDL off/early."""
     out = []
     for cfg in best:
-        for warps, stages in WARPS_STAGES:
+        for warps, stages in WARPS_STAGES[cfg.gemv]:
             out.append(("warps", cfg.replace(**{"gemm.num_warps": warps, "gemm.num_stages": stages})))
         for factor in (0.5, 2):
             out.append(("shrink", cfg.replace(**{"shrink.SPLIT_K": max(1, int(cfg.shrink.SPLIT_K * factor))})))
         for pdl in (False, "early"):
             out.append(("pdl", cfg.replace(pdl=pdl)))
-    return _dedupe(out)
+    return _dedupe([(label, c) for label, c in out if c not in best])
 
 
 def _dedupe(items):
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--layers", type=int, default=24, help="distinct weight sets (calls) per CUDA graph")
-    p.add_argument("--top", type=int, default=3, help="configs of stage 1 refined in stage 2")
+    p.add_argument("--top", type=int, default=2, help="configs of stage 1 refined in stage 2")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                    help="compile worker processes (0: compile while timing)")
     p.add_argument("--budget-s", type=float, default=170.0,
