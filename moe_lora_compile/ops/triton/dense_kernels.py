@@ -236,8 +236,7 @@ def lora_gemv_kernel(
             b_ptrs = (b_ptr + tl.where(has_lora, lora, 0)[:, None, None] * stride_bl
                       + offs_n.to(tl.int64)[None, :, None] * stride_bn + offs_r[None, None, :])
             b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
-            delta = tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)
-            out += tl.where(has_lora[:, None], delta, 0.0)
+            out += tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)  # 0 in rows without LoRA (b, s masked)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
