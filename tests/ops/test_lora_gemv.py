@@ -124,7 +124,7 @@ TABLE = {C.linear_shape_key(2880, 5120, 32): {"1": _entry(16), "2": _entry(32), 
 @pytest.mark.parametrize("T,n_in,n_out,R,block_n", [
     (1, 2880, 5120, 32, 16),    # exact bucket
     (3, 2880, 5120, 32, 32),    # between buckets: the largest tuned T <= 3
-    (15, 2880, 5120, 32, 128),  # just under twice the largest bucket
+    (15, 2880, 5120, 32, None),  # under twice the largest bucket, but its GEMV entry is past GEMV_MAX_T
     (16, 2880, 5120, 32, None),  # twice the largest bucket or more: the heuristic
     (1, 2880, 5120, 20, 16),    # rank 20 pads to 32: same key
     (1, 2880, 5120, 128, 8),    # rank 128 untuned: the nearest tuned rank (64) of the shape
@@ -133,6 +133,12 @@ TABLE = {C.linear_shape_key(2880, 5120, 32): {"1": _entry(16), "2": _entry(32), 
 def test_lookup_linear(T, n_in, n_out, R, block_n):
     found = C.lookup_linear(TABLE, T, n_in, n_out, R)
     assert (found is None if block_n is None else found.gemm.BLOCK_N == block_n)
+
+
+def test_lookup_gemm_entry_serves_up_to_twice_its_bucket():
+    table = {C.linear_shape_key(64, 32, 16): {"8": _entry(64, gemv=False)}}
+    assert C.lookup_linear(table, 15, 64, 32, 16).gemm.BLOCK_N == 64  # a GEMM entry: up to 2x its bucket
+    assert C.lookup_linear(table, 16, 64, 32, 16) is None
 
 
 def test_lookup_below_all_buckets_takes_the_smallest():

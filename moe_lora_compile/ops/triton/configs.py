@@ -398,7 +398,7 @@ def lookup_linear(table: dict[str, dict[str, LinearKernelConfig]], T: int, n_in:
     """The entry of ``table`` for T tokens, or None. Shape: ``(n_out, n_in)`` at the padded rank R, else the nearest
     tuned rank of that shape. Bucket: the largest tuned T <= T, if T is below twice it (the tuned T are powers of
     two; past the largest one the heuristic knows better than an entry tuned for fewer tokens); the smallest bucket
-    for T below all."""
+    for T below all. None (the heuristic) also for a GEMV entry at T > :data:`GEMV_MAX_T`."""
     key = linear_shape_key(n_in, n_out, R)
     buckets = table.get(key)
     if not buckets:
@@ -412,7 +412,8 @@ def lookup_linear(table: dict[str, dict[str, LinearKernelConfig]], T: int, n_in:
     below = [t for t in sizes if t <= T]
     if not below:
         return buckets[str(sizes[0])]
-    return buckets[str(below[-1])] if T < 2 * below[-1] else None
+    found = buckets[str(below[-1])] if T < 2 * below[-1] else None
+    return None if found is not None and found.gemv and T > GEMV_MAX_T else found  # a GEMV entry past its sizes
 
 
 def get_linear_config(device: torch.device, T: int, n_in: int, n_out: int, R: int,
