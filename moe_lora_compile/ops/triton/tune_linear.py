@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--layers", type=int, default=24, help="distinct weight sets (calls) per CUDA graph")
     p.add_argument("--top", type=int, default=2, help="configs of stage 1 refined in stage 2")
-    p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
+    p.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                    help="compile worker processes (0: compile while timing)")
     p.add_argument("--budget-s", type=float, default=170.0,
                    help="stop timing new candidates after this many seconds (the best so far is written)")
@@ -292,6 +292,7 @@ def main(argv=None) -> int:
                     timed += 1
                 except Exception as exc:  # noqa: BLE001  (a config that does not compile or launch)
                     print(f"    skipped {describe(cfg)}: {type(exc).__name__}", flush=True)
+            torch.cuda.empty_cache()  # the graphs' private pools
             best = min(done, key=lambda c: done[c][1] + done[c][2])
             label, lora_us, none_us = done[best]
             print(f"  [{stage} {i}/{len(combos)}] {s.model} {s.proj} {s.n_in}->{s.n_out} T={T}: {timed} timed"
