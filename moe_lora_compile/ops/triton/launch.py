@@ -297,7 +297,7 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
     T, n_in = x.shape
     n_out, R = weight.shape[0], a.shape[1]
     c = cfg.gemm
-    block_n = max(1, min(c.BLOCK_N, triton.next_power_of_2(n_out)))  # no tl.dot: no 16-wide minimum
+    block_n = max(8, min(c.BLOCK_N, triton.next_power_of_2(n_out)))  # no tl.dot: no 16-wide minimum
     block_k = max(16, min(c.BLOCK_K, triton.next_power_of_2(n_in)))
     tiles = triton.cdiv(n_out, block_n)
     split_k, k_per_split, _ = _k_split(n_in, block_k, c.SPLIT_K)
