@@ -159,7 +159,7 @@ def _gemv_load(x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.
     return x, w
 
 
-@triton.jit(do_not_specialize=["T", "split_k"])
+@triton.jit(do_not_specialize=["T", "split_k", "split_stride"])
 def lora_gemv_kernel(
     x_ptr, stride_x, w_ptr, stride_wn, bias_ptr, b_ptr, stride_bl, stride_bn, s_ptr, num_splits, split_stride,
     token_lora_ptr, y_ptr, stride_y, part_ptr, counter_ptr, T, K, N, R, split_k, k_per_split,
