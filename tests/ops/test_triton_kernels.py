@@ -320,19 +320,21 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, split_k, pe
 
 
 @pytest.mark.parametrize("T,n_in,n_out,block_n", [
-    (1, 2880, 4096, 64),  # GPT-OSS q at decode: 64 column tiles, split-K to ~2 programs per SM
-    (1, 2880, 512, 32),  # k/v: 16 narrow tiles; split-K capped by 2 K steps a slice
+    (5, 2880, 4096, 64),  # GPT-OSS q just past the GEMV sizes: 64 column tiles, split-K to ~2 programs per SM
+    (5, 2880, 512, 32),  # k/v: 16 narrow tiles; split-K capped by 2 K steps a slice
     (8, 2048, 5120, 64),  # a fused q/k/v output at batch 8
     (64, 2048, 2048, 64),  # the largest decode batch: 4 row blocks
     (65, 2048, 512, 64),  # past decode sizes: block shrink, 64-wide tiles, no split
 ])
 def test_default_linear_config(T, n_in, n_out, block_n):
-    """Decode-sized batches get the per-token shrink and a split-K GEMM whose programs fill the SMs about twice
-    (unless K runs out of 2-step slices); larger batches the block shrink and no split."""
+    """Decode-sized batches past the GEMV sizes (``test_lora_gemv.py``) get the per-token shrink and a split-K GEMM
+    whose programs fill the SMs about twice (unless K runs out of 2-step slices); larger batches the block shrink
+    and no split."""
     from moe_lora_compile.ops.triton.launch import default_linear_config
 
     cfg = default_linear_config(T, n_in, n_out, num_sms=132)
     gemm = cfg.gemm
+    assert not cfg.gemv
     assert gemm.BLOCK_N == block_n
     assert cfg.per_token == (T <= 64)
     if T <= 64:

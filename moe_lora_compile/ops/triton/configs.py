@@ -150,16 +150,20 @@ class LinearKernelConfig:
     """How ``lora_linear_triton`` launches (see :func:`.launch.lora_linear_triton`): ``BLOCK_M`` token rows per
     program; ``gemm``: the GEMM with the LoRA expand in its epilogue (``SPLIT_K`` > 1: K slices, the last program of
     a tile sums them); ``shrink``: the LoRA shrink; ``per_token``: the per-token shrink (decode-sized batches,
-    :mod:`.dense_kernels`) instead of the block shrink; ``pdl``: see :func:`requested_pdl`.
+    :mod:`.dense_kernels`) instead of the block shrink; ``gemv``: the GEMV kernel instead of the GEMM (a handful of
+    tokens, at most :data:`GEMV_MAX_T`; it reads ``gemm``'s BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, not
+    ``BLOCK_M`` or GROUP_SIZE_M, and always takes the per-token shrink; its ``num_stages`` >= 2 means loads one K
+    step ahead, in registers); ``pdl``: see :func:`requested_pdl`.
 
-    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "pdl"}`` (``per_token`` may also sit in
-    ``shrink``, as older configs have it)."""
+    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl"}`` (``per_token`` may also
+    sit in ``shrink``, as older configs have it)."""
 
     BLOCK_M: int
     gemm: GemmConfig
     shrink: ShrinkConfig
     per_token: bool = False
     pdl: PdlSetting = None
+    gemv: bool = False
 
     def __post_init__(self):
         if self.pdl is not None:
@@ -180,6 +184,13 @@ class LinearKernelConfig:
         if "shrink" in fields:
             fields["shrink"] = ShrinkConfig.of(shrink, "config['shrink']")
         return _from_dict(cls, fields, "config")
+
+    def to_dict(self) -> dict:
+        """The JSON form (``pdl`` left out when unset)."""
+        d = dataclasses.asdict(self)
+        if d["pdl"] is None:
+            del d["pdl"]
+        return d
 
     def replace(self, **changes: Any) -> "LinearKernelConfig":
         """A copy with ``changes``; dotted names change one kernel's field: ``cfg.replace(**{"gemm.SPLIT_K": 4})``."""
@@ -305,3 +316,109 @@ def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: 
     sizes = sorted(int(t) for t in buckets)
     below = [t for t in sizes if t <= T]
     return buckets[str(below[-1] if below else sizes[0])]
+
+
+# --- lora_linear: heuristic, tuned table, lookup ------------------------------------------------------------
+#
+# The tuned table is its own JSON file per GPU, ``configs/<gpu>_linear.json`` (written by :mod:`.tune_linear`):
+# ``{"N=..,K=..,R=..": {"T": config}}`` (N = out features, K = in features, R = the padded rank BLOCK_R), an entry
+# the dict form of :class:`LinearKernelConfig`. Whether tokens have an adapter is data (ids of -1), so one entry
+# serves both; the tuner picks it on the time with and without LoRA together.
+
+ROWS_SHRINK_MAX_T = 64  # up to this many tokens lora_linear's shrink runs per token (dense_kernels), else per block
+GEMV_MAX_T = 8  # a ``gemv`` config is honoured up to this many tokens (its registers grow with T); else the GEMM
+GEMV_DEFAULT_MAX_T = 4  # the heuristic picks the GEMV up to this many tokens
+
+
+def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> LinearKernelConfig:
+    """Heuristic ``lora_linear`` config. T <= :data:`GEMV_DEFAULT_MAX_T`: the GEMV (32 columns x 128 K steps a
+    program for T <= 2, 16 columns for more tokens, so its [T, BLOCK_N, BLOCK_K] fp32 accumulator stays at 32 per
+    thread; split-K to about 4 programs per SM; no register prefetch: occupancy keeps the loads in flight). Other
+    decode sizes (T <= 64) are a skinny GEMM that streams the
+    weight once: 64-wide column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two
+    programs per SM stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way.
+    Larger batches: 64x64 tiles, block shrink, no split."""
+    small = T <= ROWS_SHRINK_MAX_T
+    gemv = T <= GEMV_DEFAULT_MAX_T
+    block_m = 16 if small else 64
+    grid_m = triton.cdiv(T, block_m)
+    if gemv:
+        block_n = 32 if T <= 2 else 16
+    else:
+        block_n = 64 if (not small or n_out >= 1024) else 32
+    block_k = 128 if small else 64
+    split_k = 1
+    if small:
+        tiles = (1 if gemv else grid_m) * triton.cdiv(n_out, block_n)
+        split_k = max(1, min(triton.cdiv((4 if gemv else 2) * num_sms, tiles), triton.cdiv(n_in, 2 * block_k)))
+    rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
+    return LinearKernelConfig(
+        BLOCK_M=block_m, per_token=small, gemv=gemv,
+        gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=8, num_warps=4,
+                        num_stages=1 if gemv else 4 if small else 3, SPLIT_K=split_k),
+        shrink=ShrinkConfig(BLOCK_K=128 if small else 64, SPLIT_K=rows_split if small else 1, num_warps=4,
+                            num_stages=2))
+
+
+def linear_file_name(device_name: str) -> str:
+    """'NVIDIA H200' -> 'NVIDIA_H200_linear.json'."""
+    return gpu_file_name(device_name)[: -len(".json")] + "_linear.json"
+
+
+def linear_shape_key(n_in: int, n_out: int, R: int) -> str:
+    return f"N={n_out},K={n_in},R={triton.next_power_of_2(max(R, 16))}"
+
+
+def read_linear_table(path: pathlib.Path) -> dict[str, dict[str, LinearKernelConfig]]:
+    """A linear configs JSON file -> ``{shape key: {T bucket: config}}`` (empty when the file does not exist)."""
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text())
+    try:
+        return {shape: {T: LinearKernelConfig.of(entry) for T, entry in buckets.items()}
+                for shape, buckets in raw.items()}
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def write_linear_table(path: pathlib.Path, table: dict[str, dict[str, LinearKernelConfig]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = {shape: {T: cfg.to_dict() for T, cfg in sorted(buckets.items(), key=lambda kv: int(kv[0]))}
+           for shape, buckets in table.items()}
+    path.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_linear(device_name: str) -> dict[str, dict[str, LinearKernelConfig]]:
+    return read_linear_table(CONFIG_DIR / linear_file_name(device_name))
+
+
+def lookup_linear(table: dict[str, dict[str, LinearKernelConfig]], T: int, n_in: int, n_out: int,
+                  R: int) -> Optional[LinearKernelConfig]:
+    """The entry of ``table`` for T tokens, or None. Shape: ``(n_out, n_in)`` at the padded rank R, else the nearest
+    tuned rank of that shape. Bucket: the largest tuned T <= T, if T is below twice it (the tuned T are powers of
+    two; past the largest one the heuristic knows better than an entry tuned for fewer tokens); the smallest bucket
+    for T below all. None (the heuristic) also for a GEMV entry at T > :data:`GEMV_MAX_T`."""
+    key = linear_shape_key(n_in, n_out, R)
+    buckets = table.get(key)
+    if not buckets:
+        prefix = key.rsplit(",R=", 1)[0] + ",R="
+        ranks = sorted(int(k.rsplit("=", 1)[1]) for k in table if k.startswith(prefix))
+        if ranks:
+            buckets = table[prefix + str(min(ranks, key=lambda r: abs(r - R)))]
+    if not buckets:
+        return None
+    sizes = sorted(int(t) for t in buckets)
+    below = [t for t in sizes if t <= T]
+    if not below:
+        return buckets[str(sizes[0])]
+    found = buckets[str(below[-1])] if T < 2 * below[-1] else None
+    return None if found is not None and found.gemv and T > GEMV_MAX_T else found  # a GEMV entry past its sizes
+
+
+def get_linear_config(device: torch.device, T: int, n_in: int, n_out: int, R: int,
+                      num_sms: int = 132) -> LinearKernelConfig:
+    """The tuned ``lora_linear`` config for this GPU, shape and T bucket (:func:`lookup_linear`), else
+    :func:`default_linear_config`."""
+    found = lookup_linear(_load_linear(device_name(device)), T, n_in, n_out, R)
+    return found if found is not None else default_linear_config(T, n_in, n_out, num_sms)

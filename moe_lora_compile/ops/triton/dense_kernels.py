@@ -1,5 +1,12 @@
-"""@triton.jit kernels of ``lora_linear``: the per-token shrink for decode-sized batches and the GEMM with the LoRA
-expand in its epilogue (split-K at decode). The block shrink for larger batches is :mod:`.moe_kernels`' DENSE mode.
+"""@triton.jit kernels of ``lora_linear``: the per-token shrink for decode-sized batches, the GEMM with the LoRA
+expand in its epilogue (split-K at decode), and the GEMV for a handful of tokens (same epilogue, no ``tl.dot``, no
+16-row padding). The block shrink for larger batches is :mod:`.moe_kernels`' DENSE mode.
+
+GEMV (:func:`lora_gemv_kernel`, T <= 8, the heuristic's choice up to 4; the tuned table may say otherwise). At
+batch 1 the GEMM spent 15 of its 16 ``tl.dot`` rows on padding and ran at ~43 % of HBM bandwidth on the H200; the
+GEMV streams W [BLOCK_N, BLOCK_K] tiles along K (W is [N, K], K contiguous) into an fp32 [T, BLOCK_N, BLOCK_K]
+accumulator (x broadcast over the columns), split-K over about 4 programs per SM, and with PDL it streams the
+weight while the shrink still runs (its main loop reads nothing the shrink writes).
 
 Shrink. At decode a block of 16 tokens can hold as many adapter slots as tokens, and the block shrink then walks every slot
 of the block serially on a handful of programs (measured on the H200: ~37 us a launch for 8 tokens of 8 adapters at
@@ -133,4 +140,118 @@ def lora_linear_kernel(
             for sp in range(1, SPLIT_K):
                 y += tl.load(part_ptrs + (sp - pid_k) * part_rows * N, mask=y_mask, other=0.0,
                              cache_modifier=".cg")
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
+def _gemv_load(x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """-> (x [BLOCK_T, BLOCK_N, BLOCK_K] (the same row at every n), w [1, BLOCK_N, BLOCK_K]) at one K step. The loads
+    are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's: no layout conversion."""
+    if MASK_K:
+        x = tl.load(x_ptrs, mask=k_mask[None, None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0)
+    else:
+        x = tl.load(x_ptrs)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0)
+    return x, w
+
+
+@triton.jit(do_not_specialize=["T", "split_k", "split_stride"])
+def lora_gemv_kernel(
+    x_ptr, stride_x, w_ptr, stride_wn, bias_ptr, b_ptr, stride_bl, stride_bn, s_ptr, num_splits, split_stride,
+    token_lora_ptr, y_ptr, stride_y, part_ptr, counter_ptr, T, K, N, R, split_k, k_per_split,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_SPLIT_K: tl.constexpr = False,
+    PREFETCH: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
+):
+    """``lora_linear_kernel``'s result for a handful of tokens (T <= BLOCK_T), as a GEMV: no ``tl.dot``, no 16-row
+    padding. Grid (cdiv(N, BLOCK_N), split_k). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
+    over K slice ``[p*k_per_split, ...)`` (W [N, K] with K contiguous: coalesced along K; ``k_per_split`` a multiple
+    of BLOCK_K, so only the last slice can end in a partial step, masked, when not EVEN_K = K % BLOCK_K == 0) and
+    multiplies them by the T token rows by broadcast, fp32 products summed over K once after the loop. PREFETCH:
+    the loop loads one step ahead (software pipelining in registers; Triton's own pipeliner leaves loads that feed
+    no ``tl.dot`` alone).
+
+    x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k; B element (l, n, r) at l*stride_bl + n*stride_bn
+    + r; s [num_splits, >= T, R] fp32 (the per-token shrink's slices); y [T, N].
+
+    Epilogue (slice 0): per token t with ``l = token_lora[t] >= 0``, ``s[t] B[l]^T`` over the program's columns (a
+    gather of B by each token's own slot: tokens of ``-1`` load nothing, a non-finite slot reaches only its own
+    tokens) and the bias. USE_SPLIT_K (split_k > 1, a runtime count: one compile for any split): each program
+    writes its fp32 partial to ``part [split_k, T, N]``; the last of a column tile's split_k programs to arrive at
+    ``counter [cdiv(N, BLOCK_N)]`` (int32, zeroed by the shrink) sums them in slice order and writes y:
+    deterministic, no float atomics, no extra launch.
+
+    PDL: the main loop reads only x (written before the shrink, the first kernel of the pair) and W, so it runs
+    before the wait for the shrink (the weight streams while the shrink runs)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
+    # x broadcast over the N axis in the pointers, not in registers: its loads then take W's layout (repeated
+    # addresses, served by L1) instead of a layout conversion through shared memory at every K step
+    x_ptrs = (x_ptr + tl.where(t_mask, offs_t, 0).to(tl.int64)[:, None, None] * stride_x
+              + tl.zeros([1, BLOCK_N, 1], dtype=tl.int64) + offs_k[None, None, :])
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PREFETCH:  # the next step's tiles load while this step's multiply-adds wait for theirs: 2 tiles in flight
+        if k_start < k_full:
+            x, w = _gemv_load(x_ptrs + k_start, w_ptrs + k_start, None, n_mask, False, EVEN_N)
+            for k0 in range(k_start + BLOCK_K, k_full, BLOCK_K):
+                x_next, w_next = _gemv_load(x_ptrs + k0, w_ptrs + k0, None, n_mask, False, EVEN_N)
+                acc += x.to(tl.float32) * w.to(tl.float32)
+                x, w = x_next, w_next
+            acc += x.to(tl.float32) * w.to(tl.float32)
+    else:
+        for k0 in range(k_start, k_full, BLOCK_K):
+            x, w = _gemv_load(x_ptrs + k0, w_ptrs + k0, None, n_mask, False, EVEN_N)
+            acc += x.to(tl.float32) * w.to(tl.float32)
+    if not EVEN_K:
+        if k_full < k_end:  # the partial step at the end of K
+            x, w = _gemv_load(x_ptrs + k_full, w_ptrs + k_full, (k_full + offs_k) < k_end, n_mask, True, EVEN_N)
+            acc += x.to(tl.float32) * w.to(tl.float32)
+    out = tl.sum(acc, axis=2)  # [BLOCK_T, BLOCK_N]
+    grid_dependency_sync(USE_PDL)  # now the shrink's rank vectors and zeroed counters are visible
+    launch_dependents(USE_PDL)
+
+    if pid_k == 0:  # the LoRA delta and the bias once, in slice 0
+        lora = tl.load(token_lora_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
+        has_lora = t_mask & (lora >= 0)
+        if tl.max(has_lora.to(tl.int32), axis=0) > 0:
+            offs_r = tl.arange(0, BLOCK_R)
+            s_mask = has_lora[:, None] & (offs_r < R)[None, :]
+            s_ptrs = s_ptr + offs_t.to(tl.int64)[:, None] * R + offs_r[None, :]
+            s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            for split in range(1, num_splits):
+                s += tl.load(s_ptrs + split * split_stride, mask=s_mask, other=0.0)
+            b_ptrs = (b_ptr + tl.where(has_lora, lora, 0)[:, None, None] * stride_bl
+                      + offs_n.to(tl.int64)[None, :, None] * stride_bn + offs_r[None, None, :])
+            b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
+            out += tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)  # 0 in rows without LoRA (b, s masked)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_t.to(tl.int64)[:, None] * stride_y + offs_n[None, :]
+    y_mask = t_mask[:, None] & n_mask[None, :]
+    if not USE_SPLIT_K:
+        tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        first = part_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :]
+        slice_stride = T.to(tl.int64) * N
+        tl.store(first + pid_k * slice_stride, out, mask=y_mask)
+        # Arrive: all threads' partial stores happen before one thread's acq_rel atomic (release side).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:  # the tile's other partials are written and visible
+            y = tl.load(first, mask=y_mask, other=0.0, cache_modifier=".cg")
+            for sp in range(1, split_k):
+                y += tl.load(first + sp * slice_stride, mask=y_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=y_mask)

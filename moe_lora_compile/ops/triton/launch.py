@@ -41,7 +41,8 @@ from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
 from . import moe_kernels as K
 from . import mxfp4_kernels as MXK
-from .configs import GemmConfig, LinearKernelConfig, MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
+from .configs import LinearKernelConfig, MoEKernelConfig, ShrinkConfig, get_config, requested_pdl
+from .configs import GEMV_MAX_T, ROWS_SHRINK_MAX_T, default_linear_config, get_linear_config  # noqa: F401
 from .pdl import LaunchChain, supported_mode
 from .routing import sort_pairs
 
@@ -211,37 +212,11 @@ def fused_moe_lora_triton(
     return out if top_k == 1 else out.view(T, top_k, H).sum(dim=1)
 
 
-ROWS_SHRINK_MAX_T = 64  # up to this many tokens lora_linear's shrink runs per token (dense_kernels), else per block
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # Triton's interpreter: keep grids tiny
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> LinearKernelConfig:
-    """Heuristic ``lora_linear`` config. Decode (T <= 64) is a skinny GEMM that streams the weight once: 64-wide
-    column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two programs per SM
-    stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way. Larger batches:
-    64x64 tiles, block shrink, no split."""
-    small = T <= ROWS_SHRINK_MAX_T
-    block_m = 16 if small else 64
-    grid_m = triton.cdiv(T, block_m)
-    block_n = 64 if (not small or n_out >= 1024) else 32
-    block_k = 128 if small else 64
-    split_k = 1
-    if small:
-        tiles = grid_m * triton.cdiv(n_out, block_n)
-        split_k = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(n_in, 2 * block_k)))
-    rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
-    return LinearKernelConfig(
-        BLOCK_M=block_m, per_token=small,
-        gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=8, num_warps=4,
-                        num_stages=4 if small else 3, SPLIT_K=split_k),
-        shrink=ShrinkConfig(BLOCK_K=128 if small else 64, SPLIT_K=rows_split if small else 1, num_warps=4,
-                            num_stages=2))
 
 
 def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg: ShrinkConfig, launch, counters):
@@ -266,27 +241,32 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
                        config: Union[LinearKernelConfig, dict, None] = None) -> Tensor:
     """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
     -> y [T, out] in x.dtype. Two launches: the shrink (per token for decode-sized batches, config ``per_token``;
-    else per block of BLOCK_M tokens, the DENSE mode of the MoE shrink), then the GEMM with the expand in its
-    epilogue (:func:`.dense_kernels.lora_linear_kernel`; split-K ``gemm.SPLIT_K`` with an in-kernel sum, whose
-    arrival counters the shrink zeroes). ``config``: a :class:`.configs.LinearKernelConfig` (or its dict form)
-    instead of :func:`default_linear_config`; its ``pdl`` then wins over ``MOE_LORA_PDL``."""
+    else per block of BLOCK_M tokens, the DENSE mode of the MoE shrink), then the base product with the expand in its
+    epilogue: the GEMV (:func:`.dense_kernels.lora_gemv_kernel`, config ``gemv``, T <= :data:`.configs.GEMV_MAX_T`)
+    or the GEMM (:func:`.dense_kernels.lora_linear_kernel`); split-K ``gemm.SPLIT_K`` with an in-kernel sum, whose
+    arrival counters the shrink zeroes. ``config``: a :class:`.configs.LinearKernelConfig` (or its dict form)
+    instead of the tuned entry or heuristic (:func:`.configs.get_linear_config`); its ``pdl`` then wins over
+    ``MOE_LORA_PDL``."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     R = lora_a.shape[1]
     if T == 0:
         return x.new_empty((0, n_out))
     passed = config is not None
-    cfg = LinearKernelConfig.of(config) if passed else default_linear_config(T, n_in, n_out, _num_sms(x.device))
+    cfg = (LinearKernelConfig.of(config) if passed
+           else get_linear_config(x.device, T, n_in, n_out, R, _num_sms(x.device)))
+    x = _last_dim_contiguous(x)
+    token_lora_ids = token_lora_ids.contiguous()
+    a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
+    chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=passed)))
+    if cfg.gemv and T <= GEMV_MAX_T and weight.stride(1) == 1:  # (a transposed weight: the GEMM reads it as is)
+        return _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg, chain)
     c = cfg.gemm
     grid_m = triton.cdiv(T, cfg.BLOCK_M)
     block_n, block_k = _tile(c.BLOCK_N, n_out), _tile(c.BLOCK_K, n_in)
     tiles = grid_m * triton.cdiv(n_out, block_n)
     split_k, k_per_split, even_k = _k_split(n_in, block_k, c.SPLIT_K)
-    x = x.contiguous()
-    token_lora_ids = token_lora_ids.contiguous()
-    a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
     counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
-    chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=passed)))
     rows = grid_m * cfg.BLOCK_M
     if cfg.per_token:
         s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=rows, cfg=cfg.shrink, launch=chain.next(),
@@ -308,6 +288,32 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
         DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c.num_warps, num_stages=c.num_stages,
         **chain.next())
+    return out
+
+
+def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig, chain: LaunchChain) -> Tensor:
+    """lora_linear for a handful of tokens: the per-token shrink (zeroing the split-K counters), then the GEMV
+    with the expand and bias in its epilogue (:func:`.dense_kernels.lora_gemv_kernel`) -> y [T, out]."""
+    T, n_in = x.shape
+    n_out, R = weight.shape[0], a.shape[1]
+    c = cfg.gemm
+    block_n = max(8, min(c.BLOCK_N, triton.next_power_of_2(n_out)))  # no tl.dot: no 16-wide minimum
+    block_k = max(16, min(c.BLOCK_K, triton.next_power_of_2(n_in)))
+    tiles = triton.cdiv(n_out, block_n)
+    split_k, k_per_split, _ = _k_split(n_in, block_k, c.SPLIT_K)
+    counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
+    s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=T, cfg=cfg.shrink, launch=chain.next(),
+                            counters=counters)
+    out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
+    part = torch.empty((split_k, T, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
+    DK.lora_gemv_kernel[(tiles, split_k)](
+        x_ptr=x, stride_x=x.stride(0), w_ptr=weight, stride_wn=weight.stride(0), bias_ptr=bias, b_ptr=b,
+        stride_bl=b.stride(0), stride_bn=b.stride(1), s_ptr=s, num_splits=s.shape[0], split_stride=s.stride(0),
+        token_lora_ptr=token_lora_ids, y_ptr=out, stride_y=out.stride(0), part_ptr=part,
+        counter_ptr=counters if split_k > 1 else None, T=T, K=n_in, N=n_out, R=R, split_k=split_k,
+        k_per_split=k_per_split, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_R=_block_r(R), HAS_BIAS=bias is not None, EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0,
+        USE_SPLIT_K=split_k > 1, PREFETCH=c.num_stages >= 2, num_warps=c.num_warps, num_stages=1, **chain.next())
     return out
 
 
