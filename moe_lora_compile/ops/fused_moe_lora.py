@@ -246,5 +246,8 @@ def fused_moe_lora(
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
     if out is None:
         return torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)
+    if torch.is_grad_enabled() and any(args[i].requires_grad for i in _GRAD_POSITIONS):
+        raise ValueError("fused_moe_lora(..., out=) is inference only (no autograd through out): call it without "
+                         "out= when gradients are needed, or under torch.no_grad()")
     torch.ops.moe_lora.fused_moe_lora_out(out, *args, **kwargs)
     return out

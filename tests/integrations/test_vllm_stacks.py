@@ -77,6 +77,17 @@ def _deltas(stacks, kind="silu"):
     return d13, b2 @ a2
 
 
+def _block_diagonal(b13, layout):
+    """Split-form B13 ``[L,E,2I,r]`` -> ``[L,E,2I,2r]``: gate rows (even ones for ``interleaved``, else the first I)
+    on rank columns ``[0,r)``, up rows on ``[r,2r)``."""
+    L, E, two_i, r = b13.shape
+    full = b13.new_zeros(L, E, two_i, 2 * r)
+    gate, up = (slice(0, None, 2), slice(1, None, 2)) if layout == "interleaved" else (slice(0, two_i // 2),
+                                                                                       slice(two_i // 2, None))
+    full[:, :, gate, :r], full[:, :, up, r:] = b13[:, :, gate], b13[:, :, up]
+    return full
+
+
 def _activate(h, kind):
     """vLLM's activations on ``h [..., 2I]``, float64, as vLLM 0.32 defines them."""
     name, cfg, _, _ = ACTIVATIONS[kind]
@@ -176,6 +187,12 @@ def _check_forward(fmt, device, dtype, T, geometry, kind="silu"):
                                               w2_bias=b2, lora_b13_split=packed.lora_b13_split,
                                               **activation._asdict())
     torch.testing.assert_close(output, again, **PARITY_TOL[dtype])
+    if packed.lora_b13_split:  # and the op on the rank-2r block-diagonal B13 the split form stands for
+        full = _block_diagonal(packed.lora_b13, activation.layout)
+        again = torch.ops.moe_lora.fused_moe_lora(x, topk_ids, topk_weights, ids, w13, w2, packed.lora_a13, full,
+                                                  packed.lora_a2, packed.lora_b2, w13_bias=b13, w2_bias=b2,
+                                                  **activation._asdict())
+        torch.testing.assert_close(output, again, **PARITY_TOL[dtype])
     base = _reference(x, w13, w2, topk_weights, topk_ids, torch.full_like(ids, -1), *_deltas(stacks, kind), kind,
                       b13, b2)
     assert (want - base).abs().max() > 10 * TOL[dtype]["atol"]  # the adapters matter at this tolerance

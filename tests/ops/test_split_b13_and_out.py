@@ -124,21 +124,26 @@ def test_split_kernel_matches_block_diagonal_oracle(case, R2, path):
     torch.testing.assert_close(y.cpu().double(), oracle(full, full_kwargs), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path, k", [
-    pytest.param((True, True), 2, id="per-pair-topk-sum"),     # the w2 kernel's top-k sum writes out's rows
-    pytest.param((False, False), 1, id="sorted-k1"),           # k = 1: the w2 kernel's rows are out's rows
-    pytest.param((False, False), 2, id="sorted-torch-sum"),    # the sorted path's torch sum writes into out
+@pytest.mark.parametrize("path, k, columns", [
+    pytest.param((True, True), 2, False, id="per-pair-topk-sum"),   # the w2 kernel's top-k sum writes out's rows
+    pytest.param((False, False), 1, False, id="sorted-k1"),         # k = 1: the w2 kernel's rows are out's rows
+    pytest.param((False, False), 2, False, id="sorted-torch-sum"),  # the sorted path's torch sum writes into out
+    pytest.param((True, True), 2, True, id="column-major-out"),     # out.stride(-1) != 1: computed, then copied
 ])
-def test_kernel_writes_into_out(path, k):
+def test_kernel_writes_into_out(path, k, columns):
     from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton
     case = MoECase(T=5, H=32, I=16, k=k, L=2, R=8, lora="mixed", topk_dtype=torch.int32)
     split, kwargs, full, full_kwargs = split_problem(case, 8, DEVICE)
-    storage = torch.full((5, 40), float("nan"), device=DEVICE)
-    out = storage[:, 4:36]  # rows of stride 40: a view, as vLLM's workspace hands over
+    if columns:
+        storage = torch.full((40, 5), float("nan"), device=DEVICE)
+        out = storage[4:36].t()
+    else:
+        storage = torch.full((5, 40), float("nan"), device=DEVICE)
+        out = storage[:, 4:36]  # rows of stride 40: a view, as vLLM's workspace hands over
     got = fused_moe_lora_triton(*split, **kwargs, out=out, config=tiny_config(*path))
     assert got is out
     torch.testing.assert_close(out.cpu().double(), oracle(full, full_kwargs), rtol=1e-4, atol=1e-4)
-    assert storage[:, :4].isnan().all() and storage[:, 36:].isnan().all()  # nothing outside out written
+    assert storage.isnan().sum() == storage.numel() - out.numel()  # nothing outside out written
 
 
 @pytest.mark.parametrize("case", [
@@ -213,6 +218,15 @@ def test_split_form_contract_errors(kind, message):
     args, kwargs = _b13_error_case(kind)
     with pytest.raises(ValueError, match=_escaped(message)):
         mlc.fused_moe_lora(*args, **kwargs)
+
+
+def test_out_form_refuses_inputs_that_require_grad():
+    args, kwargs = MoECase(T=4).make()
+    x = args[0].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=r"out=\) is inference only"):
+        mlc.fused_moe_lora(x, *args[1:], **kwargs, out=torch.empty(4, 16))
+    with torch.no_grad():  # serving: fine
+        mlc.fused_moe_lora(x, *args[1:], **kwargs, out=torch.empty(4, 16))
 
 
 @pytest.mark.parametrize("make_out, error, message", [
