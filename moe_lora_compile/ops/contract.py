@@ -6,8 +6,14 @@ Base expert weights keep the model's own layout (``concat``, ``interleaved``, ``
 ``transposed_interleaved``: shapes and gate/up order in :mod:`.layout`).
 
 LoRA stacks always use vLLM's 3-D layout, the 2I axis in the base weight's own gate/up order and the scaling
-already folded into B: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``, ``lora_b2 [L,E,H,R]``.
-``token_lora_ids [T]`` int32 picks the slot per token; ``-1`` means no adapter.
+already folded into B: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R2,I]``, ``lora_b2 [L,E,H,R2]``
+(w2's rank ``R2`` is its own). ``token_lora_ids [T]`` int32 picks the slot per token; ``-1`` means no adapter.
+
+Split gate/up form (``lora_b13_split=True``, vLLM's 2-D MoE LoRA with gate and up factors apart): ``lora_b13`` is
+``[L,E,2I,R/2]`` (R even); its gate rows multiply rank entries ``[0, R/2)`` of ``A13 x`` and its up rows entries
+``[R/2, R)``, i.e. ``A13 = [A_gate; A_up]`` and the block-diagonal ``[L,E,2I,R]`` B13 without its zero half. The form
+is chosen by that flag alone, never guessed from shapes: a B13 whose rank does not fit the flag is a ValueError.
+An ``out=`` form (:func:`check_out_arg`) writes ``y`` into a caller's ``[T, H]`` tensor.
 
 The checks below look only at shapes, dtypes and devices, so they run unchanged in the fake (meta) impl under
 symbolic shapes; value checks (ids in range) need data and live in :func:`check_index_values`.
@@ -66,7 +72,7 @@ def _expect_device(name: str, t: torch.Tensor, ref: torch.Tensor) -> None:
 
 def check_fused_moe_lora_args(
     x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-    w13_bias, w2_bias, layout: str, activation: str,
+    w13_bias, w2_bias, layout: str, activation: str, lora_b13_split: bool = False,
 ) -> None:
     """Shape/dtype/device checks of ``fused_moe_lora``; raises ValueError/TypeError naming the argument."""
     check_layout(layout)
@@ -120,15 +126,15 @@ def check_fused_moe_lora_args(
     L, R = lora_a13.shape[0], lora_a13.shape[2]
     _expect_dim("lora_a13", lora_a13, 1, E, "[L, E, R, H]")
     _expect_dim("lora_a13", lora_a13, 3, H, "[L, E, R, H]")
-    _expect_rank("lora_b13", lora_b13, 4, "[L, E, 2I, R]")
-    for dim, size in ((0, L), (1, E), (2, 2 * I), (3, R)):
-        _expect_dim("lora_b13", lora_b13, dim, size, f"[L, E, 2I, R] = [{L}, {E}, {2 * I}, {R}] matching lora_a13")
-    _expect_rank("lora_a2", lora_a2, 4, "[L, E, R, I]")
-    for dim, size in ((0, L), (1, E), (2, R), (3, I)):
-        _expect_dim("lora_a2", lora_a2, dim, size, f"[L, E, R, I] = [{L}, {E}, {R}, {I}] matching lora_a13")
-    _expect_rank("lora_b2", lora_b2, 4, "[L, E, H, R]")
-    for dim, size in ((0, L), (1, E), (2, H), (3, R)):
-        _expect_dim("lora_b2", lora_b2, dim, size, f"[L, E, H, R] = [{L}, {E}, {H}, {R}] matching lora_a13")
+    _check_lora_b13(lora_b13, L, E, I, R, lora_b13_split)
+    _expect_rank("lora_a2", lora_a2, 4, "[L, E, R2, I]")
+    _expect_positive("lora_a2", lora_a2, 2, "R2", "[L, E, R2, I]")
+    R2 = lora_a2.shape[2]
+    for dim, size in ((0, L), (1, E), (3, I)):
+        _expect_dim("lora_a2", lora_a2, dim, size, f"[L, E, R2, I] = [{L}, {E}, R2, {I}] matching lora_a13 and w2")
+    _expect_rank("lora_b2", lora_b2, 4, "[L, E, H, R2]")
+    for dim, size in ((0, L), (1, E), (2, H), (3, R2)):
+        _expect_dim("lora_b2", lora_b2, dim, size, f"[L, E, H, R2] = [{L}, {E}, {H}, {R2}] matching lora_a2")
     for name, t in (("lora_a13", lora_a13), ("lora_b13", lora_b13), ("lora_a2", lora_a2), ("lora_b2", lora_b2)):
         _expect_dtype(name, t, _FLOAT_DTYPES, "a floating tensor")
 
@@ -149,6 +155,39 @@ def check_fused_moe_lora_args(
     for name, t in named:
         if t is not None:
             _expect_device(name, t, x)
+
+
+def _check_lora_b13(lora_b13, L, E, I, R, split: bool) -> None:
+    """B13 ``[L, E, 2I, R]``, or ``[L, E, 2I, R/2]`` in the split gate/up form (``split``, R even)."""
+    if split:
+        torch._check_value(
+            R % 2 == 0,
+            lambda: f"lora_b13_split=True needs an even lora_a13 rank R (gate ranks [0, R/2), up ranks [R/2, R)); "
+                    f"got R = {R}",
+        )
+        want, what = R // 2, "[L, E, 2I, R/2]"
+    else:
+        want, what = R, "[L, E, 2I, R]"
+    _expect_rank("lora_b13", lora_b13, 4, what)
+
+    def message(dim, size):
+        hint = (" (a B13 of rank R/2, gate and up rows apart, is the split form: pass lora_b13_split=True)"
+                if not split and dim == 3 and 2 * lora_b13.shape[3] == R else "")
+        return (f"lora_b13 must have shape {what} = [{L}, {E}, {2 * I}, {want}] matching lora_a13 (R = {R}) with "
+                f"lora_b13_split={split}; got {_shape(lora_b13)} (dim {dim} should be {size}){hint}")
+
+    for dim, size in ((0, L), (1, E), (2, 2 * I), (3, want)):
+        torch._check_value(lora_b13.shape[dim] == size, lambda dim=dim, size=size: message(dim, size))
+
+
+def check_out_arg(out, x) -> None:
+    """``out`` of the ``out=`` form: ``[T, H]`` like ``x``, same dtype and device."""
+    _expect_rank("out", out, 2, "[T, H] like x")
+    _expect_dim("out", out, 0, x.shape[0], f"[T, H] = {_shape(x)} like x")
+    _expect_dim("out", out, 1, x.shape[1], f"[T, H] = {_shape(x)} like x")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
+    _expect_device("out", out, x)
 
 
 def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> None:

@@ -31,15 +31,17 @@ def _kernel_covers(x: torch.Tensor, *others) -> bool:
 
 
 def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                        **kwargs):
-    """Same signature and result as :func:`.reference.fused_moe_lora_reference`; y [T, H] in x.dtype."""
+                        out=None, **kwargs):
+    """Same signature and result as :func:`.reference.fused_moe_lora_reference`; y [T, H] in x.dtype, written into
+    ``out`` (and returned) when given."""
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
     if _kernel_covers(x, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2, kwargs.get("w13_bias"),
                       kwargs.get("w2_bias")):
         from .triton.launch import fused_moe_lora_triton
 
-        return fused_moe_lora_triton(*args, **kwargs)
-    return fused_moe_lora_reference(*args, **kwargs)
+        return fused_moe_lora_triton(*args, out=out, **kwargs)
+    y = fused_moe_lora_reference(*args, **kwargs)
+    return y if out is None else out.copy_(y)
 
 
 def lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, *, bias=None):

@@ -7,6 +7,11 @@ graph-break. Gradients flow to ``x``, ``topk_weights`` and the four LoRA stacks 
 
 The biases are keyword arguments of :func:`fused_moe_lora`; in the op's schema they follow the core tensors as
 optional positional-or-keyword tensors, because ``torch.library`` cannot give kwarg-only tensors an autograd formula.
+
+``torch.ops.moe_lora.fused_moe_lora_out(out, x, ...)`` (``fused_moe_lora(..., out=out)``) is the ``out=`` form for
+serving: ``out [T, H]`` (x's dtype and device; first, as in vLLM's own ops, since ``torch.library`` takes no
+kwarg-only tensors) receives ``y``, then the same arguments; returns nothing, no autograd.
+On CUDA the Triton kernels write ``y`` straight into ``out`` (no [T, H] copy); the reference impls copy into it.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import torch
 from torch import Tensor
 
 from . import cuda_impl
-from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_args, check_index_values
+from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_args, check_index_values,
+                       check_out_arg)
 from .layout import CONCAT
 from .reference import fused_moe_lora_reference
 from .autograd import frozen_input_error, recompute_grads
@@ -30,9 +36,9 @@ _FROZEN_POSITIONS = (4, 5, 10, 11)
 
 
 def _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values: bool) -> None:
+           w13_bias, w2_bias, layout, activation, values: bool, lora_b13_split: bool = False) -> None:
     check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
-                              lora_b2, w13_bias, w2_bias, layout, activation)
+                              lora_b2, w13_bias, w2_bias, layout, activation, lora_b13_split)
     if values:
         check_index_values("topk_ids", topk_ids, 0, w13.shape[0])
         check_index_values("token_lora_ids", token_lora_ids, NO_ADAPTER, lora_a13.shape[0])
@@ -58,35 +64,37 @@ def _fused_moe_lora_op(
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
+    lora_b13_split: bool = False,
 ) -> Tensor:
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=True)
+           w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split)
     return fused_moe_lora_reference(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
     )
 
 
 @_fused_moe_lora_op.register_kernel("cuda")
 def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
                          w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
-                         limit=GPTOSS_LIMIT, routing_weight_on_input=False):
+                         limit=GPTOSS_LIMIT, routing_weight_on_input=False, lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device())
+           w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device(),
+           lora_b13_split=lora_b13_split)
     return cuda_impl.fused_moe_lora_cuda(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
     )
 
 
 @_fused_moe_lora_op.register_fake
 def _fused_moe_lora_fake(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
                          w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
-                         limit=GPTOSS_LIMIT, routing_weight_on_input=False):
+                         limit=GPTOSS_LIMIT, routing_weight_on_input=False, lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=False)
+           w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split)
     return x.new_empty(x.shape)
 
 
@@ -111,11 +119,12 @@ def _fused_moe_lora_backward_op(
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
+    lora_b13_split: bool = False,
 ) -> list[Tensor]:
     """Grads of ``fused_moe_lora`` w.r.t. (x, topk_weights, lora_a13, lora_b13, lora_a2, lora_b2)."""
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
-                  limit=limit, routing_weight_on_input=routing_weight_on_input)
+                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split)
     return recompute_grads(fused_moe_lora_reference, grad_y, args, kwargs, _GRAD_POSITIONS)
 
 
@@ -143,6 +152,65 @@ def _backward(ctx, grad_y):
 _fused_moe_lora_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("moe_lora::fused_moe_lora_out", mutates_args=("out",))
+def _fused_moe_lora_out_op(
+    out: Tensor,
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    token_lora_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    lora_a13: Tensor,
+    lora_b13: Tensor,
+    lora_a2: Tensor,
+    lora_b2: Tensor,
+    w13_bias: Optional[Tensor] = None,
+    w2_bias: Optional[Tensor] = None,
+    *,
+    layout: str = CONCAT,
+    activation: str = "silu",
+    alpha: float = GPTOSS_ALPHA,
+    limit: float = GPTOSS_LIMIT,
+    routing_weight_on_input: bool = False,
+    lora_b13_split: bool = False,
+) -> None:
+    _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split)
+    check_out_arg(out, x)
+    out.copy_(fused_moe_lora_reference(
+        x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+        w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
+    ))
+
+
+@_fused_moe_lora_out_op.register_kernel("cuda")
+def _fused_moe_lora_out_cuda(out, x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
+                             lora_b2, w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu",
+                             alpha=GPTOSS_ALPHA, limit=GPTOSS_LIMIT, routing_weight_on_input=False,
+                             lora_b13_split=False):
+    _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device(),
+           lora_b13_split=lora_b13_split)
+    check_out_arg(out, x)
+    cuda_impl.fused_moe_lora_cuda(
+        x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+        w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, out=out,
+    )
+
+
+@_fused_moe_lora_out_op.register_fake
+def _fused_moe_lora_out_fake(out, x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
+                             lora_b2, w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu",
+                             alpha=GPTOSS_ALPHA, limit=GPTOSS_LIMIT, routing_weight_on_input=False,
+                             lora_b13_split=False):
+    _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+           w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split)
+    check_out_arg(out, x)
+
+
 def fused_moe_lora(
     x: Tensor,
     topk_ids: Tensor,
@@ -162,15 +230,24 @@ def fused_moe_lora(
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
+    lora_b13_split: bool = False,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """One MoE layer, each token's LoRA delta from its own adapter slot: ``torch.ops.moe_lora.fused_moe_lora``.
 
     x [T,H]; topk_ids [T,k] int; topk_weights [T,k]; token_lora_ids [T] int (-1 = base only); w13/w2 in
-    ``layout`` (see :mod:`.layout`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R], lora_a2 [L,E,R,I],
-    lora_b2 [L,E,H,R] (scaling folded into B). Returns ``y [T, H]`` in ``x.dtype``.
+    ``layout`` (see :mod:`.layout`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R] (``lora_b13_split``: [L,E,2I,R/2],
+    gate rows on ranks [0,R/2), up rows on [R/2,R)), lora_a2 [L,E,R2,I], lora_b2 [L,E,H,R2] (scaling folded into
+    B). Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype and device) ``y`` is written
+    there and ``out`` returned (``torch.ops.moe_lora.fused_moe_lora_out``, inference only: no autograd).
     """
-    return torch.ops.moe_lora.fused_moe_lora(
-        x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-        w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input,
-    )
+    kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
+                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split)
+    args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
+    if out is None:
+        return torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)
+    if torch.is_grad_enabled() and any(args[i].requires_grad for i in _GRAD_POSITIONS):
+        raise ValueError("fused_moe_lora(..., out=) is inference only (no autograd through out): call it without "
+                         "out= when gradients are needed, or under torch.no_grad()")
+    torch.ops.moe_lora.fused_moe_lora_out(out, *args, **kwargs)
+    return out

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .contract import GPTOSS_ALPHA, GPTOSS_LIMIT
-from .layout import CONCAT, is_transposed, split_gate_up
+from .layout import CONCAT, is_transposed, merge_gate_up, split_gate_up
 
 
 def glu_activation(gate: Tensor, up: Tensor, activation: str, alpha: float, limit: float) -> Tensor:
@@ -27,18 +27,28 @@ def glu_activation(gate: Tensor, up: Tensor, activation: str, alpha: float, limi
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
-def _pair_lora(xp: Tensor, a: Tensor, b: Tensor, lora_ids: Tensor, experts: Tensor) -> Tensor:
+def _pair_lora(xp: Tensor, a: Tensor, b: Tensor, lora_ids: Tensor, experts: Tensor,
+               split_layout: Optional[str] = None) -> Tensor:
     """Per (token, k) pair LoRA delta ``B[l,e] @ (A[l,e] @ x)``, exactly zero where ``l == -1``.
 
     xp [P, in] fp32; a [L, E, R, in]; b [L, E, out, R]; lora_ids/experts [P] int64 -> [P, out] fp32.
     Each pair gathers its own slot's factors (``-1`` pairs read slot 0, then ``where`` drops the result).
+    ``split_layout``: b is the split gate/up form ``[L, E, 2I, R/2]`` (see :mod:`.contract`), its gate/up rows in
+    that layout's order: gate rows times rank entries ``[0, R/2)``, up rows times ``[R/2, R)``.
     """
     has_lora = lora_ids >= 0
     slot = lora_ids.clamp(min=0)
     a_p = a[slot, experts].to(xp.dtype)  # [P, R, in]
-    b_p = b[slot, experts].to(xp.dtype)  # [P, out, R]
+    b_p = b[slot, experts].to(xp.dtype)  # [P, out, R] (split: [P, 2I, R/2])
     shrunk = torch.bmm(a_p, xp.unsqueeze(-1))  # [P, R, 1]
-    return torch.where(has_lora.unsqueeze(-1), torch.bmm(b_p, shrunk).squeeze(-1), 0.0)
+    if split_layout is None:
+        delta = torch.bmm(b_p, shrunk)
+    else:
+        half = b_p.shape[-1]
+        gate_b, up_b = split_gate_up(b_p, split_layout, dim=1)  # [P, I, R/2] each
+        delta = merge_gate_up(torch.bmm(gate_b, shrunk[:, :half]), torch.bmm(up_b, shrunk[:, half:]), split_layout,
+                              dim=1)
+    return torch.where(has_lora.unsqueeze(-1), delta.squeeze(-1), 0.0)
 
 
 def _pair_matmul(xp: Tensor, w: Tensor, experts: Tensor, transposed: bool) -> Tensor:
@@ -68,12 +78,14 @@ def fused_moe_lora_reference(
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
+    lora_b13_split: bool = False,
 ) -> Tensor:
     """One MoE layer with per-token multi-LoRA. Returns ``y [T, H]`` in ``x.dtype``.
 
     ``y[t] = sum_j w[t,j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t,j]``; every projection adds
     ``B[l,e] A[l,e] x`` for ``l = token_lora_ids[t]`` (nothing when ``l == -1``). With ``routing_weight_on_input``
-    (Llama-4) the weight scales the expert's input instead of its output.
+    (Llama-4) the weight scales the expert's input instead of its output. ``lora_b13_split``: ``lora_b13`` is
+    ``[L, E, 2I, R/2]``, the split gate/up form of :mod:`.contract`.
     """
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -87,7 +99,8 @@ def fused_moe_lora_reference(
     if routing_weight_on_input:
         xp = xp * weights
 
-    h = _pair_matmul(xp, w13, experts, transposed) + _pair_lora(xp, lora_a13, lora_b13, lora_ids, experts)
+    h = _pair_matmul(xp, w13, experts, transposed) + _pair_lora(xp, lora_a13, lora_b13, lora_ids, experts,
+                                                                  layout if lora_b13_split else None)
     if w13_bias is not None:
         h = h + w13_bias[experts].to(acc)
     gate, up = split_gate_up(h, layout)

@@ -1,8 +1,8 @@
 """The vLLM plugin (``moe_lora_compile.integrations.vllm``) end to end: ``vllm.LLM`` on the CPU with LoRA on a tiny
 Qwen3-MoE and a tiny GPT-OSS, through both of vLLM's MoE LoRA wrappers (2-D ``FusedMoEWithLoRA`` under mixed
-format, 3-D ``FusedMoE3DWithLoRA``): greedy tokens per row equal to PEFT's, one ``fused_moe_lora`` call per MoE layer per step,
-whose result becomes the layer's output without a copy; and, without the plugin, the stock crash (strict xfail: it
-turns red the day vLLM fixes it). The adapters, the runs and how to install vLLM: ``conftest.py``. Skips without
+format, 3-D ``FusedMoE3DWithLoRA``): greedy tokens per row equal to PEFT's, one call of the op's ``out=`` form
+(``fused_moe_lora_out``) per MoE layer per step, writing into the very output tensor vLLM hands to ``apply()``;
+and, without the plugin, the stock crash (strict xfail: it turns red the day vLLM fixes it). The adapters, the runs and how to install vLLM: ``conftest.py``. Skips without
 vLLM.
 """
 
@@ -18,7 +18,8 @@ from moe_lora_compile.models.tiny import tiny_config  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", [
-    "mixed",  # 2-D stacks (gate/up apart), re-seated once as rank-2r views; PEFT 3-D and per-expert 2-D adapters
+    "mixed",  # 2-D stacks (gate/up apart), re-seated once as the op's split gate/up form; PEFT 3-D and per-expert
+              # 2-D adapters
     "3d",     # 3-D stacks read as they are
     "gptoss_3d",     # GPT-OSS (swigluoai): interleaved layout, expert biases, clamped swiglu; 3-D stacks as they are
     "gptoss_mixed",  # GPT-OSS, 2-D stacks: gate / up B re-seated on B13's even / odd rows
@@ -30,19 +31,19 @@ def test_plugin_mixed_batches_match_peft_one_op_call_per_layer_and_step(served, 
     assert result["moe_lora_classes"] == [EXPECTED_WRAPPER[fmt]]
     how = ("2-D" if is_mixed(fmt) else "3-D") + (" stacks, interleaved layout, gptoss_swiglu" if
                                                  family_of(fmt) == "gpt_oss" else " stacks, concat layout, silu")
-    assert f"MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora ({how})" in log
+    assert f"MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora_out ({how})" in log
     assert "uses vLLM's own TritonExperts path" not in log  # no layer fell back
     n_layers = tiny_config(family_of(fmt)).num_hidden_layers
     names = (None, *RUNS[fmt]["adapters"])
     for i in range(len(PROMPTS)):  # the adapters change the greedy tokens, so equality means each row got its own
         assert len({tuple(peft_tokens[(name, i)]) for name in names}) == len(names), i
-    for batch, tokens, calls, adopted in zip(RUNS[fmt]["batches"], result["tokens"], result["calls"],
-                                             result["adopted"]):
+    for batch, tokens, calls, direct in zip(RUNS[fmt]["batches"], result["tokens"], result["calls"],
+                                            result["direct"]):
         expected = [peft_tokens[(name, i)] for i, name in enumerate(batch)]
         assert tokens == expected, f"batch {batch}"
         # one prefill step (all prompts fit one step) + MAX_TOKENS - 1 decode steps, each one call per MoE layer
         assert calls == n_layers * MAX_TOKENS, f"batch {batch}: {calls} op calls"
-        assert adopted == calls, f"batch {batch}: {calls - adopted} results copied into vLLM's output buffer"
+        assert direct == calls, f"batch {batch}: {calls - direct} op calls wrote elsewhere than vLLM's output"
 
 
 @pytest.mark.xfail(strict=True, raises=AttributeError,

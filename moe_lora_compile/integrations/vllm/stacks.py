@@ -9,10 +9,13 @@ lower rank fills the first rows / columns, the rest stay zero):
   base w13's gate/up order); w2 A ``(a2,)`` ``[L,E,r,I]``, w2 B ``(b2,)`` ``[L,E,H,r]``. The op's own layout: read
   as it is.
 - 2-D (``FusedMoEWithLoRA``): gate and up apart, ``(a_gate, a_up)`` ``[L,E,r,H]`` and ``(b_gate, b_up)``
-  ``[L,E,I,r]``; w2 as above. The op takes one rank R for all four stacks, so :func:`op_stacks` re-seats the six
-  tensors, once, as views of rank-``2r`` stacks: ``A13 = [A_gate; A_up]`` along the rank, ``B13`` block-diagonal
-  (gate rows where the layout puts them: ``[0,I)`` or ``0::2``), w2 A/B zero-padded to rank 2r. vLLM's
-  ``set_lora`` / ``reset_lora`` then write straight into them.
+  ``[L,E,I,r]``; w2 as above. :func:`op_stacks` re-seats the four w13 tensors, once, as views of the op's split
+  gate/up form (``lora_b13_split=True``): ``A13 = [A_gate; A_up]`` ``[L,E,2r,H]`` along the rank and
+  ``B13 [L,E,2I,r]`` holding B_gate's rows and B_up's where the layout puts gate and up (``[0,I)`` / ``[I,2I)``, or
+  ``0::2`` / ``1::2``); the op multiplies gate rows by rank entries ``[0,r)`` and up rows by ``[r,2r)``. No zero
+  padding anywhere: the new stacks are exactly as large as vLLM's buffers they replace (which are freed), and w2's
+  stacks are read as they are (the op's w2 rank is its own). vLLM's ``set_lora`` / ``reset_lora`` then write
+  straight into them.
 
 Base experts: w13 ``[E,2I,H]``, w2 ``[E,H,I]``, optional biases ``[E,2I]`` / ``[E,H]``. vLLM's activation picks the
 gate/up order and the op's activation (:func:`op_activation`): ``silu`` (gate rows first), ``swigluoai`` (GPT-OSS:
@@ -35,13 +38,19 @@ _WATCHED_ATTR = "_moe_lora_unmapped_rows_cleared"  # set on a punica wrapper onc
 
 
 class OpStacks(NamedTuple):
-    """The op's LoRA stacks: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``,
-    ``lora_b2 [L,E,H,R]`` (scaling in B)."""
+    """The op's LoRA stacks: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]`` (``lora_b13_split``: the split
+    gate/up form ``[L,E,2I,R/2]``), ``lora_a2 [L,E,R2,I]``, ``lora_b2 [L,E,H,R2]`` (scaling in B)."""
 
     lora_a13: Tensor
     lora_b13: Tensor
     lora_a2: Tensor
     lora_b2: Tensor
+    lora_b13_split: bool = False
+
+    @property
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The four stacks, in the op's argument order."""
+        return self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2
 
 
 class OpActivation(NamedTuple):
@@ -114,10 +123,10 @@ def op_stacks(w13_a: Sequence[Tensor], w13_b: Sequence[Tensor], w2_a: Sequence[T
     """vLLM's stacks of one layer (its tuples, as in ``MoELoRAContext``) as :class:`OpStacks`; None for a layout
     the op does not read (non-gated experts, experts-shared or rank-sharded factors, mismatched shapes).
 
-    3-D: vLLM's tensors themselves. 2-D: rank-``2r`` stacks that vLLM's six tensors become views of (see the
-    module docstring; gate/up rows of B13 in ``layout``'s order, that of the base w13), made on the first call for
-    these tensors and returned again on later calls. Nothing is copied per step: vLLM's later writes land in these
-    stacks."""
+    3-D: vLLM's tensors themselves. 2-D: the split gate/up form, A13 and B13 stacks that vLLM's four w13 tensors
+    become views of (see the module docstring; gate/up rows of B13 in ``layout``'s order, that of the base w13),
+    and vLLM's w2 tensors themselves; made on the first call for these tensors and returned again on later calls.
+    Nothing is copied per step: vLLM's later writes land in these stacks."""
     if len(w2_a) != 1 or len(w2_b) != 1 or len(w13_a) != len(w13_b) or len(w13_a) not in (1, 2):
         return None
     a2, b2 = w2_a[0], w2_b[0]
@@ -139,16 +148,13 @@ def op_stacks(w13_a: Sequence[Tensor], w13_b: Sequence[Tensor], w2_a: Sequence[T
     if packed is not None:
         return packed
     like = dict(dtype=a_g.dtype, device=a_g.device)
-    packed = OpStacks(torch.zeros(L, E, 2 * r, H, **like), torch.zeros(L, E, 2 * I, 2 * r, **like),
-                      torch.zeros(L, E, 2 * r, I, **like), torch.zeros(L, E, H, 2 * r, **like))
-    a13, b13, a2p, b2p = packed
+    a13, b13 = torch.empty(L, E, 2 * r, H, **like), torch.empty(L, E, 2 * I, r, **like)  # every element re-seated
     _reseat(a_g, a13[:, :, :r])
     _reseat(a_u, a13[:, :, r:])
     gate_rows, up_rows = split_gate_up(b13, layout, dim=2)
-    _reseat(b_g, gate_rows[..., :r])
-    _reseat(b_u, up_rows[..., r:])
-    _reseat(a2, a2p[:, :, :r])
-    _reseat(b2, b2p[:, :, :, :r])
+    _reseat(b_g, gate_rows)
+    _reseat(b_u, up_rows)
+    packed = OpStacks(a13, b13, a2, b2, lora_b13_split=True)
     setattr(a_g, _PACKED_ATTR, packed)
     return packed
 
@@ -190,40 +196,28 @@ def keep_unmapped_rows_unadapted(punica_wrapper) -> None:
     setattr(punica_wrapper, _WATCHED_ATTR, True)
 
 
-def adopt_or_copy(output: Tensor, y: Tensor) -> bool:
-    """Put ``y`` in ``output``. When ``output`` owns its storage alone and ``y`` matches it (shape, dtype, device,
-    contiguous), ``output`` becomes ``y`` in place (``Tensor.set_``: no [T, H] copy; its old buffer is dropped
-    with the object's last reference); otherwise (a view into a workspace) ``output.copy_(y)``. Returns whether
-    ``y`` was adopted."""
-    if (_owns_storage(output) and output._base is None and y.is_contiguous() and y.shape == output.shape
-            and y.dtype == output.dtype and y.device == output.device):
-        output.set_(y.untyped_storage(), y.storage_offset(), y.size(), y.stride())
-        return True
-    output.copy_(y.view(output.shape))
-    return False
-
-
 def experts_forward(output: Tensor, hidden_states: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor,
                     topk_ids: Tensor, token_lora_ids: Tensor, stacks: OpStacks, *,
                     activation: OpActivation = SILU, w13_bias: Optional[Tensor] = None,
                     w2_bias: Optional[Tensor] = None, weights_on_input: bool = False,
                     op: Optional[Callable] = None) -> Tensor:
-    """One MoE layer with each token's LoRA (vLLM's ``TritonExperts.apply`` contract), written to ``output``.
+    """One MoE layer with each token's LoRA (vLLM's ``TritonExperts.apply`` contract), written into ``output``.
 
-    hidden_states ``[T,H]``; w13 ``[E,2I,H]`` (gate/up rows in ``activation.layout``'s order), w2 ``[E,H,I]``;
-    biases ``[E,2I]`` (same order) / ``[E,H]`` or None; topk_ids/topk_weights ``[T,k]``; token_lora_ids ``[T]``
-    (``-1`` = none); ``weights_on_input``: vLLM already scaled the input by the routing weight (then the output is
-    not scaled again). ``op`` defaults to ``torch.ops.moe_lora.fused_moe_lora``; it is called exactly once.
-    Returns ``output`` (now holding the op's result, see :func:`adopt_or_copy`)."""
-    op = torch.ops.moe_lora.fused_moe_lora if op is None else op
+    output ``[T,H]`` (hidden_states' dtype; any strides, e.g. a view into vLLM's workspace); hidden_states
+    ``[T,H]``; w13 ``[E,2I,H]`` (gate/up rows in ``activation.layout``'s order), w2 ``[E,H,I]``; biases ``[E,2I]``
+    (same order) / ``[E,H]`` or None; topk_ids/topk_weights ``[T,k]``; token_lora_ids ``[T]`` (``-1`` = none);
+    ``weights_on_input``: vLLM already scaled the input by the routing weight (then the output is not scaled
+    again). ``op`` defaults to ``torch.ops.moe_lora.fused_moe_lora_out`` (the op's ``out=`` form: on CUDA the
+    kernel's final write lands in ``output``, no [T, H] copy); it is called exactly once, as
+    ``op(output, hidden_states, ...)``. Returns ``output``."""
+    op = torch.ops.moe_lora.fused_moe_lora_out if op is None else op
     if weights_on_input:
         topk_weights = torch.ones_like(topk_weights)
-    y = op(hidden_states, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks, w13_bias=w13_bias,
-           w2_bias=w2_bias, layout=activation.layout, activation=activation.activation, alpha=activation.alpha,
-           limit=activation.limit)
-    adopt_or_copy(output, y)
+    op(output, hidden_states, topk_ids, topk_weights, token_lora_ids, w13, w2, *stacks.tensors, w13_bias=w13_bias,
+       w2_bias=w2_bias, layout=activation.layout, activation=activation.activation, alpha=activation.alpha,
+       limit=activation.limit, lora_b13_split=stacks.lora_b13_split)
     return output
 
 
-__all__ = ["SILU", "SWIGLUOAI", "OpActivation", "OpStacks", "adopt_or_copy", "experts_forward",
+__all__ = ["SILU", "SWIGLUOAI", "OpActivation", "OpStacks", "experts_forward",
            "keep_unmapped_rows_unadapted", "op_activation", "op_stacks", "slot_ids", "token_slot_buffer"]

@@ -106,21 +106,32 @@ def fused_moe_lora_triton(
     lora_a13: Tensor, lora_b13: Tensor, lora_a2: Tensor, lora_b2: Tensor, *,
     w13_bias: Optional[Tensor] = None, w2_bias: Optional[Tensor] = None, layout: str = CONCAT,
     activation: str = "silu", alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT,
-    routing_weight_on_input: bool = False, config: Union[MoEKernelConfig, dict, None] = None,
-    w13_scales: Optional[Tensor] = None, w2_scales: Optional[Tensor] = None,
+    routing_weight_on_input: bool = False, lora_b13_split: bool = False, out: Optional[Tensor] = None,
+    config: Union[MoEKernelConfig, dict, None] = None, w13_scales: Optional[Tensor] = None,
+    w2_scales: Optional[Tensor] = None,
 ) -> Tensor:
     """Same contract as :func:`..reference.fused_moe_lora_reference` (arguments already checked); y [T, H] x.dtype.
 
-    ``config`` (a :class:`.configs.MoEKernelConfig` or its dict form) replaces the tuned/heuristic config; its
-    ``pdl`` then wins over ``MOE_LORA_PDL`` (:func:`.configs.requested_pdl`). ``w13_scales`` / ``w2_scales``
-    given: w13 / w2 are MXFP4 blocks (:func:`fused_moe_lora_mxfp4_triton`)."""
+    ``out`` ([T, H], x's dtype; checked by the op): y is written there, by the kernel that writes the final result
+    (the w2 kernel's top-k sum, or its rows when k = 1; the sorted path's torch sum otherwise), and ``out`` is
+    returned. ``lora_b13_split``: B13 is ``[L, E, 2I, R/2]`` (the contract's split gate/up form; the w13 expand reads
+    gate columns on rank rows [0, R/2) and up columns on [R/2, R), nothing else). The w13 and w2 LoRA ranks
+    (``R``, ``R2``) are independent. ``config`` (a :class:`.configs.MoEKernelConfig` or its dict form) replaces
+    the tuned/heuristic config; its ``pdl`` then wins over ``MOE_LORA_PDL`` (:func:`.configs.requested_pdl`).
+    ``w13_scales`` / ``w2_scales`` given: w13 / w2 are MXFP4 blocks (:func:`fused_moe_lora_mxfp4_triton`)."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E, _, I = expert_geometry(layout, _logical_shape(w13, w13_scales), _logical_shape(w2, w2_scales))
-    L, R = lora_a13.shape[0], lora_a13.shape[2]
+    L, R, R2 = lora_a13.shape[0], lora_a13.shape[2], lora_a2.shape[2]
+    if out is not None and out.stride(-1) != 1:  # the kernels write rows of unit column stride
+        return out.copy_(fused_moe_lora_triton(
+            x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
+            w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
+            routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, config=config,
+            w13_scales=w13_scales, w2_scales=w2_scales))
     if T == 0:
-        return x.new_empty((0, H))
-    cfg = MoEKernelConfig.of(config) if config is not None else get_config(x.device, E, H, I, R, T, top_k)
+        return x.new_empty((0, H)) if out is None else out
+    cfg = MoEKernelConfig.of(config) if config is not None else get_config(x.device, E, H, I, max(R, R2), T, top_k)
     block_m = 16 if cfg.per_pair else cfg.BLOCK_M
     num_pairs = T * top_k
     x = x.contiguous()
@@ -138,7 +149,7 @@ def fused_moe_lora_triton(
         row_pair, block_expert, num_blocks = routing.row_pair, routing.block_expert, routing.num_blocks
     meta = (row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m)
     rows = grid_m * block_m
-    block_r = _block_r(R)
+    block_r, block_r2 = _block_r(R), _block_r(R2)
     act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     dot_precision = _dot_precision(x.dtype)
 
@@ -162,7 +173,7 @@ def fused_moe_lora_triton(
 
     fuse_shrink2 = cfg.fuse_shrink2
     # shrink2 in w13's epilogue: one rank-vector slice per I column tile
-    s2 = torch.empty((triton.cdiv(I, block_n), rows, R), dtype=torch.float32, device=x.device) \
+    s2 = torch.empty((triton.cdiv(I, block_n), rows, R2), dtype=torch.float32, device=x.device) \
         if fuse_shrink2 else None
     # w13 split-K: fp32 partial gate/up per K slice (valid rows only are written)
     part = torch.empty((split13, rows, 2 * I), dtype=torch.float32, device=x.device) if split13 > 1 else None
@@ -177,6 +188,7 @@ def fused_moe_lora_triton(
         stride_a2r=a2.stride(2), s2_ptr=s2, s2_split_stride=s2.stride(0) if fuse_shrink2 else 0,
         part_ptr=part, part_split_stride=part.stride(0) if split13 > 1 else 0,
         counter_ptr=counters[:n13] if n13 else None, k_per_split=k_per_split13,
+        R2=R2, BLOCK_R2=block_r2, SPLIT_B13=lora_b13_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=block_r, GROUP_SIZE_M=c13.GROUP_SIZE_M,
         MODE=mode, INTERLEAVED=is_interleaved(layout), HAS_BIAS=w13_bias is not None,
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
@@ -185,31 +197,33 @@ def fused_moe_lora_triton(
         num_stages=c13.num_stages, **chain.next())
 
     if not fuse_shrink2:
-        s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R, top_k=top_k, mode=mode,
+        s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R2, top_k=top_k, mode=mode,
                             block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg.shrink,
                             dtype=x.dtype, launch=chain.next())
 
+    y = out if out is not None else torch.empty((T, H), dtype=x.dtype, device=x.device)
     if topk_sum:  # fp32 partial rows per pair (and K slice), summed per token into y by the w2 kernel
-        out = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
-        y = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    else:  # one row per pair, in x.dtype
-        out, y = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device), None
+        rows2 = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
+    elif top_k == 1:  # one row per pair = per token: straight into y
+        rows2 = y
+    else:  # one row per pair, in x.dtype, summed per token below
+        rows2 = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
     K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2), split2)](
         in_ptr=act, stride_in=act.stride(0), **_base_weight_args(w2, w2_scales, layout), bias_ptr=w2_bias, stride_bias_e=0 if w2_bias is None else w2_bias.stride(0),
         b_ptr=b2, stride_bl=b2.stride(0), stride_be=b2.stride(1), stride_bn=b2.stride(2),
-        s_ptr=s2, num_splits=s2.shape[0], split_stride=s2.stride(0), out_ptr=out, stride_out=out.stride(0),
+        s_ptr=s2, num_splits=s2.shape[0], split_stride=s2.stride(0), out_ptr=rows2, stride_out=rows2.stride(0),
         topk_weights_ptr=None if routing_weight_on_input else weights_flat, token_lora_ptr=token_lora_ids,
         row_pair_ptr=row_pair, block_expert_ptr=block_expert, topk_ids_ptr=topk_flat, num_blocks_ptr=num_blocks,
-        num_pairs=num_pairs, grid_m=grid_m, K=I, N=H, R=R, top_k=top_k,
-        counter_ptr=counters[n13:] if n2 else None, y_ptr=y, stride_y=0 if y is None else y.stride(0),
-        k_per_split=k_per_split2,
-        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r, GROUP_SIZE_M=c2.GROUP_SIZE_M,
+        num_pairs=num_pairs, grid_m=grid_m, K=I, N=H, R=R2, top_k=top_k,
+        counter_ptr=counters[n13:] if n2 else None, y_ptr=y if topk_sum else None,
+        stride_y=y.stride(0) if topk_sum else 0, k_per_split=k_per_split2,
+        BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r2, GROUP_SIZE_M=c2.GROUP_SIZE_M,
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
         SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, **chain.next())
-    if topk_sum:
-        return y
-    return out if top_k == 1 else out.view(T, top_k, H).sum(dim=1)
+    if not topk_sum and top_k > 1:
+        torch.sum(rows2.view(T, top_k, H), dim=1, out=y)
+    return y
 
 
 @functools.lru_cache(maxsize=None)

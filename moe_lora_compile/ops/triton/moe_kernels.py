@@ -127,6 +127,21 @@ def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, BLOCK_M: t
 
 
 @triton.jit
+def _b13_tile(offs_r, cols, up, col_mask, R, stride_bn, SPLIT_B13: tl.constexpr):
+    """Offsets (from B13[l, e]) and mask of the w13 expand's ``[BLOCK_R, len(cols)]`` B13 tile, rank rows by output
+    columns ``cols`` (``up`` [len(cols)]: whether each is an up column). Full form: B13[n, r] for r < R. Split
+    gate/up form (SPLIT_B13, B13 ``[.., 2I, R/2]``): a gate column reads B13[n, r] on rank rows r < R/2, an up
+    column B13[n, r - R/2] on rows R/2 <= r < R; the other half is masked off (zero, never fetched), so one dot
+    with the whole rank vector gives each column its own half."""
+    if SPLIT_B13:
+        half = R // 2
+        rank = offs_r[:, None] - tl.where(up, half, 0)[None, :]
+        mask = (rank >= 0) & (rank < half) & col_mask[None, :]
+        return rank + cols[None, :] * stride_bn, mask
+    return offs_r[:, None] + cols[None, :] * stride_bn, (offs_r < R)[:, None] & col_mask[None, :]
+
+
+@triton.jit
 def _expert_gemm(a_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """sum over k in [k_start, k_end) of a [BLOCK_M, BLOCK_K] tiles (row stride given, k contiguous; ``a_ptrs`` at
@@ -242,6 +257,7 @@ def moe_w13_kernel(
     row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_blocks_ptr, num_pairs, grid_m, K, I, R, top_k, alpha, limit,
     a2_ptr, stride_a2l, stride_a2e, stride_a2r, s2_ptr, s2_split_stride, part_ptr, part_split_stride, counter_ptr,
     k_per_split,
+    R2, BLOCK_R2: tl.constexpr, SPLIT_B13: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr, WEIGHT_ON_INPUT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
@@ -252,9 +268,10 @@ def moe_w13_kernel(
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
     (interleaved: one contiguous 2*BLOCK_N tile, split in registers).
-    W13 element (e, k, n) at e*stride_we + k*stride_wk + n*stride_wn (both layouts). With FUSE_SHRINK2 it also
-    writes the w2 shrink's partial rank vectors of its column tile to ``s2 [cdiv(I, BLOCK_N), rows, R]`` (A2
-    [L, E, R, I]); worth it for small batches (per-pair mode), where it saves a launch.
+    W13 element (e, k, n) at e*stride_we + k*stride_wk + n*stride_wn (both layouts). B13 [L, E, 2I, R], or with
+    SPLIT_B13 the split gate/up form [L, E, 2I, R/2] (see :func:`_b13_tile`). With FUSE_SHRINK2 it also writes the
+    w2 shrink's partial rank vectors of its column tile to ``s2 [cdiv(I, BLOCK_N), rows, R2]`` (A2 [L, E, R2, I]);
+    worth it for small batches (per-pair mode), where it saves a launch.
 
     SPLIT_K > 1 (grid (tiles, SPLIT_K), program ``p`` on K slice ``[p*k_per_split, (p+1)*k_per_split)``): for
     small batches, where the tiles alone are too few programs to keep every SM streaming weights. Each program
@@ -372,16 +389,16 @@ def moe_w13_kernel(
     lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
     s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
-    b_base = expert * stride_be + offs_r[:, None]
+    b_expert = expert * stride_be
     if WEIGHT_ON_INPUT:  # s13 already carries the routing weight when it is on the input
         weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     if INTERLEAVED:
         if WEIGHT_ON_INPUT:
             h = h * weight[:, None]
-        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + cols[None, :] * stride_bn,
-                          r_mask[:, None] & col_mask[None, :], BLOCK_M, 2 * BLOCK_N, DOT_PRECISION)
+        b_offs, b_mask = _b13_tile(offs_r, cols, (cols % 2) == 1, col_mask, R, stride_bn, SPLIT_B13)
+        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, BLOCK_M, 2 * BLOCK_N,
+                          DOT_PRECISION)
         if HAS_BIAS:
             h += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
@@ -389,11 +406,12 @@ def moe_w13_kernel(
         if WEIGHT_ON_INPUT:
             gate = gate * weight[:, None]
             up = up * weight[:, None]
-        b_mask = r_mask[:, None] & j_mask[None, :]
-        gate += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + gate_cols[None, :] * stride_bn, b_mask,
-                             BLOCK_M, BLOCK_N, DOT_PRECISION)
-        up += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_base + up_cols[None, :] * stride_bn, b_mask,
-                           BLOCK_M, BLOCK_N, DOT_PRECISION)
+        b_offs, b_mask = _b13_tile(offs_r, gate_cols, gate_cols >= I, j_mask, R, stride_bn, SPLIT_B13)
+        gate += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, BLOCK_M, BLOCK_N,
+                             DOT_PRECISION)
+        b_offs, b_mask = _b13_tile(offs_r, up_cols, up_cols >= I, j_mask, R, stride_bn, SPLIT_B13)
+        up += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, BLOCK_M, BLOCK_N,
+                           DOT_PRECISION)
         if HAS_BIAS:
             gate += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=j_mask,
                             other=0.0).to(tl.float32)[None, :]
@@ -413,17 +431,19 @@ def moe_w13_kernel(
     if FUSE_SHRINK2:
         # The w2 LoRA shrink for this tile's I columns: s2[pid_n] = act[:, j tile] A2[l, e, :, j tile]^T, one slice
         # per column tile (the w2 kernel sums them), instead of a separate shrink launch.
-        s2 = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        a2_offs = expert * stride_a2e + offs_r[None, :] * stride_a2r + offs_j[:, None]
-        a2_mask = j_mask[:, None] & r_mask[None, :]
+        offs_r2 = tl.arange(0, BLOCK_R2)
+        r2_mask = offs_r2 < R2
+        s2 = tl.zeros((BLOCK_M, BLOCK_R2), dtype=tl.float32)
+        a2_offs = expert * stride_a2e + offs_r2[None, :] * stride_a2r + offs_j[:, None]
+        a2_mask = j_mask[:, None] & r2_mask[None, :]
         slot, last = _slot_range(lora, has_lora)
         while slot <= last:
             a2 = tl.load(a2_ptr + slot.to(tl.int64) * stride_a2l + a2_offs, mask=a2_mask, other=0.0)
             part = tl.dot(act, a2, input_precision=DOT_PRECISION)
             s2 += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
             slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
-        s2_ptrs = s2_ptr + pid_n.to(tl.int64) * s2_split_stride + rows.to(tl.int64)[:, None] * R + offs_r[None, :]
-        tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r_mask[None, :])
+        s2_ptrs = s2_ptr + pid_n.to(tl.int64) * s2_split_stride + rows.to(tl.int64)[:, None] * R2 + offs_r2[None, :]
+        tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r2_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "grid_m"])
