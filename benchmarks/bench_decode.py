@@ -213,6 +213,8 @@ def _category(name: str, parent_ops: list[str], shapes) -> str:
         return "moe"
     if "moe_lora::lora_linear" in ops:
         return "dense_lora_linear"
+    if "moe_lora::route" in ops:
+        return "router"
     low = name.lower()
     if any(s in low for s in ("flash", "fmha", "attention", "softmax", "sdpa")):
         return "attention"

@@ -17,8 +17,9 @@ transformers' code.
 CPU (and float64, large T, E > 256, k > 16 on CUDA): :func:`route_reference`, transformers' own sequence of aten
 ops. CUDA with ``T <= MAX_KERNEL_TOKENS`` (decode): one Triton launch (:mod:`.triton.router_kernels`), with fp32
 accumulation in another order than cuBLAS (logits equal up to one rounding of the input dtype) and ties broken
-towards the lower expert index. ``torch.topk`` on CUDA also takes the lower index first among equal values (the
-GPU test checks it); on the CPU its tie order is unspecified (it is not index order).
+towards the lower expert index. ``torch.topk``'s order among equal values is unspecified on both devices (on
+the H200 and on the CPU it is not index order), so where two experts tie at the k-th place the kernel and
+transformers' eager path may pick different ones (both are top-k); the GPU test checks the kernel's rule.
 
 Gradients flow to ``hidden`` (from logits and scores) through ``moe_lora::route_backward``, which recomputes the
 reference under autograd; the router ``weight`` and ``bias`` are frozen.
