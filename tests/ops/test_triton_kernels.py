@@ -601,19 +601,24 @@ def test_config_lookup_buckets_and_fallback(monkeypatch):
 
 
 def test_shipped_configs_are_complete():
-    """Every shipped JSON entry parses as a MoEKernelConfig (every key the launcher reads, none it does not know)
-    and survives a round trip through its JSON form."""
+    """Every shipped JSON entry parses as its config (MoE tables: MoEKernelConfig; ``*_linear.json``, the
+    lora_linear tables: LinearKernelConfig), with every key the launcher reads and none it does not know, and
+    survives a round trip through its JSON form."""
     import json
 
-    from moe_lora_compile.ops.triton.configs import CONFIG_DIR, read_table
+    from moe_lora_compile.ops.triton.configs import CONFIG_DIR, LinearKernelConfig, read_linear_table, read_table
     files = sorted(CONFIG_DIR.glob("*.json"))
-    assert files
+    assert files and any(p.name.endswith("_linear.json") for p in files)
     for path in files:
-        table = read_table(path)
+        linear = path.name.endswith("_linear.json")
+        table = read_linear_table(path) if linear else read_table(path)
         assert sum(map(len, table.values())) == sum(map(len, json.loads(path.read_text()).values()))
         for buckets in table.values():
             for cfg in buckets.values():
-                assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
+                if linear:
+                    assert LinearKernelConfig.of(cfg.to_dict()) == cfg
+                else:
+                    assert MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
 
 
 def test_config_from_dict_names_bad_keys():
