@@ -157,17 +157,21 @@ class DecodeGraphs:
     no prefill compile, ~2 minutes for a 20B model on the H200). The compile happens during :meth:`capture` (warm-up
     runs) and the first prefill; later adapter mixes, hot swaps and batches within a bucket reuse the graphs.
 
-    ``fold_gqa=True`` (default) switches a model on transformers' ``"eager"`` attention (GPT-OSS, or any model
-    loaded with ``attn_implementation="eager"``) to the same attention with grouped query heads folded into the
-    matmuls (:mod:`moe_lora_compile.models.attention`): no ``repeat_kv`` copies of the cache in every step. It
-    changes ``mm.model``'s attention implementation for good (its own ``generate`` too); same results.
+    ``fold_gqa=True`` (default, same as ``"eager"``) switches a model on transformers' ``"eager"`` attention
+    (GPT-OSS, or any model loaded with ``attn_implementation="eager"``) to the same attention with grouped query heads
+    folded into the matmuls (:mod:`moe_lora_compile.models.attention`): no ``repeat_kv`` copies of the cache in every
+    step. It changes ``mm.model``'s attention implementation for good (its own ``generate`` too); same results.
+    ``fold_gqa="all"`` also runs the decode steps of a model on ``"sdpa"`` attention through the folded attention
+    (the step's mask makes SDPA copy the cache for ``repeat_kv``); prefill and ``mm.generate`` keep SDPA. Off by
+    default for SDPA models: two matmuls and a softmax replace the copies and one fused SDPA kernel, not yet
+    measured. ``fold_gqa=False`` (``"off"``) changes nothing.
     """
 
     def __init__(self, mm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_cache_len: int = 512,
                  num_speculative_tokens: int = 0, capture: Optional[bool] = None,
                  pad_token_id: Optional[int] = None, warmup: int = 2,
                  log: Optional[Callable[[str], None]] = print, compile=False, compile_prefill: bool = True,
-                 fold_gqa: bool = True):
+                 fold_gqa=True):
         from ..models.attach import MultiLoRAModel
 
         if not isinstance(mm, MultiLoRAModel):
@@ -192,10 +196,11 @@ class DecodeGraphs:
             raise ValueError(f"batch_sizes: {max_batch} x {q} tokens exceed mm.token_lora_ids "
                              f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
 
-        self.mm = mm
-        if fold_gqa:
-            from ..models.attention import use_folded_gqa_attention
+        from ..models.attention import fold_gqa_mode, use_folded_gqa_attention
 
+        self.fold_gqa = fold_gqa_mode(fold_gqa)
+        self.mm = mm
+        if self.fold_gqa != "off":
             use_folded_gqa_attention(mm.model)
         self.batch_sizes = tuple(sizes)
         self.max_cache_len = max_cache_len
@@ -275,7 +280,10 @@ class DecodeGraphs:
     def _forward_step(self, batch: int) -> Tensor:
         """The step captured per bucket: static buffers in, logits ``[B, q, V]`` out. No host work on data."""
         kwargs = self._model_kwargs(batch, self._attention_mask[:batch], self._position_ids[:batch], self.query_len)
-        with self.mm.manual_token_lora_ids(), self._compile_limits():
+        from ..models.attention import folded_gqa_decode  # fold_gqa="all": an SDPA model's step runs folded
+
+        with (self.mm.manual_token_lora_ids(), self._compile_limits(),
+              folded_gqa_decode(self.mm.model, enabled=self.fold_gqa == "all")):
             return self._decode_fn(self.mm.model, self._input_ids[:batch], **kwargs)
 
     def _compile_limits(self):

@@ -7,19 +7,26 @@ GPT-OSS-20B's attention time at batch 1 and 40 % at batch 8 (2026-12-03 profile)
 that share a key/value head become extra query rows of one ``[B, Hkv, n_rep*S, D] @ [B, Hkv, D, L]`` matmul; the
 mask, the sinks and the softmax are those of transformers' eager function, in the same order and dtypes.
 
-:func:`use_folded_gqa_attention` switches a model whose attention implementation is ``"eager"`` to it (registered
-as :data:`FOLDED_GQA` with eager's additive mask); other implementations (SDPA, flash, flex) are left alone.
+:func:`use_folded_gqa_attention` switches a model whose attention implementation is ``"eager"`` to it for good
+(registered as :data:`FOLDED_GQA` with eager's additive mask). Transformers' SDPA attention copies the cache the same
+way whenever it is given a mask on CUDA (``use_gqa_in_sdpa`` allows ``enable_gqa`` only without a mask, and 5.24's
+``pack_gqa`` is skipped under ``torch.compile``), and a static-cache decode step always has one: Inductor turns
+``repeat_kv`` into copy kernels of the whole cache in front of the fused SDPA kernel. :func:`folded_gqa_decode`
+switches an ``"sdpa"`` model to :data:`FOLDED_GQA` only while inside (a ``DecodeGraphs`` decode step), so prefill and
+``generate`` keep SDPA's fused kernels. :func:`fold_gqa_mode` reads ``DecodeGraphs``' ``fold_gqa`` argument.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 FOLDED_GQA = "moe_lora_folded_gqa"
+FOLD_GQA_MODES = ("off", "eager", "all")  # off: nothing; eager: eager models for good; all: + SDPA models' decode
 
 
 def folded_gqa_attention_forward(module, query: Tensor, key: Tensor, value: Tensor,
@@ -67,3 +74,32 @@ def use_folded_gqa_attention(model) -> bool:
     _register()
     model.set_attn_implementation(FOLDED_GQA)
     return config._attn_implementation == FOLDED_GQA
+
+
+def fold_gqa_mode(fold_gqa: Union[bool, str]) -> str:
+    """``DecodeGraphs``' ``fold_gqa`` -> one of :data:`FOLD_GQA_MODES` (``True`` = ``"eager"``, ``False`` =
+    ``"off"``); anything else is a ValueError."""
+    if fold_gqa is True or fold_gqa is False:
+        return "eager" if fold_gqa else "off"
+    if isinstance(fold_gqa, str) and fold_gqa in FOLD_GQA_MODES:
+        return fold_gqa
+    raise ValueError(f"fold_gqa must be True, False or one of {FOLD_GQA_MODES}, got {fold_gqa!r}")
+
+
+@contextlib.contextmanager
+def folded_gqa_decode(model, enabled: bool = True) -> Iterator[bool]:
+    """While inside: ``model`` on ``"sdpa"`` attention runs :func:`folded_gqa_attention_forward` with eager's
+    additive mask instead (same results up to rounding); restored to ``"sdpa"`` on exit. Yields whether it
+    switched (False: disabled, or another implementation). The switch is the model config's attribute, which a
+    compiled function guards on: a step traced inside runs folded, one traced outside keeps SDPA. Not for a model
+    that another thread runs at the same time (that thread's forward would run folded too)."""
+    config = model.config
+    if not enabled or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield False
+        return
+    _register()
+    config._attn_implementation = FOLDED_GQA
+    try:
+        yield True
+    finally:
+        config._attn_implementation = "sdpa"
