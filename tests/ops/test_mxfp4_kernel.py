@@ -47,8 +47,8 @@ _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 
 def _check_decode(dtype):
     """Rows: 16 rows of byte values 0..255 under each scale byte 0..255. Same bits as transformers'
-    ``convert_moe_packed_tensors``, except fp32 subnormal results (|value| < 2**-126, scale bytes 0 and 1) flushed
-    to a zero of the same sign."""
+    ``convert_moe_packed_tensors`` everywhere, fp32 subnormal results (scale bytes 0 and 1) and overflow to inf
+    (scale bytes near 255) included."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     scales = torch.arange(256, dtype=torch.uint8).repeat_interleave(16)  # [4096]
@@ -58,13 +58,9 @@ def _check_decode(dtype):
     expected = convert_moe_packed_tensors(blocks[None, :, None].clone(), scales[None, :, None].clone(),
                                           dtype=dtype)[0]  # [32, 4096]
     exact32 = dequantize_mxfp4(blocks[None, :, None], scales[None, :, None], torch.float32)[0]
-    out = out.cpu()
     subnormal = (exact32 != 0) & (exact32.abs() < 2.0 ** -126)
-    assert subnormal.any() and not subnormal[:, 2 * 16:].any()  # only under scale bytes 0 and 1
-    bits, want = out.view(_INT_VIEW[dtype]), expected.view(_INT_VIEW[dtype])
-    assert torch.equal(bits[~subnormal], want[~subnormal])
-    assert (out[subnormal] == 0).all()
-    assert torch.equal(torch.signbit(out[subnormal]), torch.signbit(exact32[subnormal]))
+    assert subnormal.any() and exact32.isinf().any()  # the edge cases are in the rows
+    assert torch.equal(out.cpu().view(_INT_VIEW[dtype]), expected.view(_INT_VIEW[dtype]))
 
 
 def test_decode_bit_exact_for_every_byte_and_scale():

@@ -7,13 +7,13 @@ Format (:mod:`..mxfp4`): one expert's weight ``[N, K]`` (N outputs, K inputs) is
 bytes and ``[BLOCK_N, BLOCK_K/32]`` scale bytes of the tile, decodes them to the activations' dtype
 (:func:`decode_mxfp4`) and feeds ``tl.dot`` with fp32 accumulation, so HBM sees 4.25 bits per weight.
 
-Decoding is integer arithmetic on the float's bits, no table: code ``c`` (sign ``c >> 3``, magnitude index
-``m = c & 7``) times ``2 ** (s - 127)`` is, for ``m >= 1``, exponent field ``(m >> 1) + s - 1`` and top mantissa
-bit ``m & 1`` when ``m >= 2`` (``m = 1`` is 0.5: mantissa 0); ``m = 0`` is a signed zero; an exponent past 254 is
-inf. The fp32 pattern is exact (every E2M1 value times a power of two has at most 2 significant bits) and so is its
-cast to bf16; fp16 rounds like :func:`..mxfp4.dequantize_mxfp4` does. Same bits as transformers' dequantization for
-every byte and scale byte (overflow to inf included), except results below ``2**-126`` (fp32 subnormals, only
-under scale bytes 0 and 1; trained weights sit near byte 120), which flush to a zero of the same sign.
+Decoding (:func:`decode_mxfp4`): the two nibbles of a byte decode apart (no byte shuffles) and join as adjacent
+inputs after the cast; each value is its E2M1 bits placed in an fp32 (value times ``2**-126``) times two exact
+powers of two, so the result is ``ldexp`` (IEEE overflow to inf and subnormals included) rounded once to the
+activations' dtype: the same bits as transformers' dequantization for every byte and scale byte. The scale bytes
+(too narrow a row for the async-copy pipeline) are loaded one K step ahead; the byte tiles' K mask is constant
+over each 16-byte group so their loads stay vectorized async copies (2026-12: SASS of the w13 K step at T=1 went
+from 4626 instructions to 1117, w2's from 2282 to 614 with its byte loads pipelined; see the branch report).
 """
 
 from __future__ import annotations
@@ -29,18 +29,29 @@ _GROUP = tl.constexpr(GROUP)
 
 
 @triton.jit
+def _scale_factor(scale):
+    """E8M0 bytes (any int tensor) -> fp32 ``2 ** (s - 128)``, exact: normal for s >= 2, subnormal for s = 0, 1."""
+    s = scale.to(tl.int32)
+    return tl.where(s >= 2, (s - 1) << 23, 0x200000 << s).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def decode_mxfp4(packed, scale, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """packed uint8 ``[BLOCK_N, BLOCK_K/2]`` + scale uint8 ``[BLOCK_N, BLOCK_K/32]`` -> W tile ``[BLOCK_K, BLOCK_N]``
-    in ``dtype`` (input ``2b`` of a row from byte ``b``'s low nibble, ``2b+1`` from its high nibble)."""
-    codes = tl.interleave(packed & 0xF, packed >> 4).to(tl.int32)  # [BN, BK]
-    codes = tl.reshape(codes, (BLOCK_N, BLOCK_K // _GROUP, _GROUP))
-    mag = codes & 7
-    exponent = (mag >> 1) + scale.to(tl.int32)[:, :, None] - 1
-    mantissa = tl.where(mag >= 2, mag & 1, 0)
-    bits = tl.where(exponent >= 255, 255 << 23, (exponent << 23) | (mantissa << 22))
-    bits = tl.where((mag == 0) | (exponent <= 0), 0, bits) | ((codes & 8) << 28)
-    w = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_N, BLOCK_K))
-    return tl.trans(w.to(dtype))
+    in ``dtype`` (input ``2b`` of a row from byte ``b``'s low nibble, ``2b+1`` from its high nibble).
+
+    Per value: the nibble's 3 magnitude bits go to fp32 bits 22-24 and its sign to bit 31, which is the E2M1 value
+    times ``2**-126`` (a subnormal for codes 0, 1); two exact multiplies (``2**127``, then the group's
+    ``2**(s - 128)``, see :func:`_scale_factor`) give ``value * 2**(s - 127)`` with IEEE overflow/underflow, i.e.
+    ``ldexp``; the cast to ``dtype`` rounds to nearest. The two nibbles of a byte decode apart (no byte shuffles)
+    and are joined as adjacent inputs only after the cast."""
+    p = tl.reshape(packed.to(tl.int32), (BLOCK_N, BLOCK_K // _GROUP, _GROUP // 2))  # [BN, groups, 16 bytes]
+    factor = _scale_factor(scale)[:, :, None]
+    lo = (((p & 7) << 22) | ((p & 8) << 28)).to(tl.float32, bitcast=True) * 1.7014118346046923e38  # 2**127
+    hi = (((p & 0x70) << 18) | ((p & 0x80) << 24)).to(tl.float32, bitcast=True) * 1.7014118346046923e38
+    lo = tl.reshape((lo * factor).to(dtype), (BLOCK_N, BLOCK_K // 2))
+    hi = tl.reshape((hi * factor).to(dtype), (BLOCK_N, BLOCK_K // 2))
+    return tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)))
 
 
 @triton.jit
@@ -55,27 +66,34 @@ def mxfp4_expert_gemm(a_ptrs, blocks_ptr, scales_ptr, cols, stride_bn, stride_sn
     offs_k = tl.arange(0, BLOCK_K)
     offs_byte = tl.arange(0, BLOCK_K // 2)
     offs_group = tl.arange(0, BLOCK_K // _GROUP)
-    rows = cols.to(tl.int64)
+    byte_group_k = (offs_byte // (_GROUP // 2)) * _GROUP  # first input of each byte's group: a K mask constant
+    rows = cols.to(tl.int64)                             # over 16 bytes, so the byte loads stay vector loads
     b_ptrs = blocks_ptr + rows[:, None] * stride_bn + (k_start // 2 + offs_byte)[None, :]
     s_ptrs = scales_ptr + rows[:, None] * stride_sn + (k_start // _GROUP + offs_group)[None, :]
     a_ptrs += k_start
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # The scales (BLOCK_K/32 bytes a row, too narrow for the async-copy pipeline) are loaded one K step ahead.
+    if EVEN_K and EVEN_N:
+        scale = tl.load(s_ptrs)
+    else:
+        scale = tl.load(s_ptrs, mask=n_mask[:, None] & ((k_start + offs_group * _GROUP) < k_end)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
+        s_ptrs += BLOCK_K // _GROUP
+        k_next = k0 + BLOCK_K
         if EVEN_K:
             a = tl.load(a_ptrs)
             if EVEN_N:
                 packed = tl.load(b_ptrs)
-                scale = tl.load(s_ptrs)
             else:
                 packed = tl.load(b_ptrs, mask=n_mask[:, None], other=0)
-                scale = tl.load(s_ptrs, mask=n_mask[:, None], other=0)
         else:  # code 0 (a zero whatever the scale) past k_end
             a = tl.load(a_ptrs, mask=((k0 + offs_k) < k_end)[None, :], other=0.0)
-            packed = tl.load(b_ptrs, mask=n_mask[:, None] & ((k0 + 2 * offs_byte) < k_end)[None, :], other=0)
-            scale = tl.load(s_ptrs, mask=n_mask[:, None] & ((k0 + offs_group * _GROUP) < k_end)[None, :], other=0)
+            packed = tl.load(b_ptrs, mask=n_mask[:, None] & ((k0 + byte_group_k) < k_end)[None, :], other=0)
+        next_mask = n_mask[:, None] & ((k_next + offs_group * _GROUP) < k_end)[None, :]
+        next_scale = tl.load(s_ptrs, mask=next_mask, other=0)
         w = decode_mxfp4(packed, scale, a.dtype, BLOCK_N, BLOCK_K)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        scale = next_scale
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K // 2
-        s_ptrs += BLOCK_K // _GROUP
     return acc
