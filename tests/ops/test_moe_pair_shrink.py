@@ -156,6 +156,10 @@ def test_heuristic_and_config_field():
     assert cfg.per_pair_shrink is None and MoEKernelConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.uses_per_pair_shrink(64) and not cfg.uses_per_pair_shrink(PAIR_SHRINK_MAX_PAIRS + 1)
     assert not cfg.replace(per_pair_shrink=False).uses_per_pair_shrink(64)
+    from moe_lora_compile.ops.triton import tune  # the tuner's coordinate: the other kernel, nothing else changed
+    sorted_cfg = default_config(g.E, g.H, g.I, 32, 8, g.k)
+    assert list(tune._candidates(sorted_cfg, 8, g, "per_pair_shrink")) == [sorted_cfg.replace(per_pair_shrink=False)]
+    assert "per_pair_shrink" in tune.GROUPS
 
 
 def _rel_err(y, ref):

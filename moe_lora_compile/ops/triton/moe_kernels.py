@@ -241,7 +241,7 @@ def lora_shrink_kernel(
     tl.store(s_ptrs, acc, mask=has_lora[:, None] & r_mask)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_counters"])
 def lora_shrink_pairs_kernel(
     in_ptr, stride_in, a_ptr, stride_al, stride_ae, stride_ar, s_ptr, split_stride, topk_weights_ptr,
     token_lora_ptr, pair_row_ptr, topk_ids_ptr, num_pairs, K, R, top_k, k_per_split, counter_ptr, num_counters,
