@@ -1,7 +1,7 @@
 """The decode ablation of the layer benchmark (``bench_fused_moe_lora.py --decode-ablation``): per model, T in {1, 8,
 32}, L=4, R in {16, 64}, every token with an adapter, the whole layer timed with one thing of its own config
-changed at a time (split-K, w13 overlap, PDL off / early, top-k sum unfused, the per-pair path forced) and
-base-only; the same conditions as the grid (:mod:`moe_layer`).
+changed at a time (split-K, w13 overlap, PDL off / early, top-k sum unfused, the per-pair path forced, the other
+LoRA shrink kernel: per pair / per row block) and base-only; the same conditions as the grid (:mod:`moe_layer`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,14 @@ ABLATION_VARIANTS = [
     ("early", {"pdl": "early"}, False),                 # PDL, next kernel launched at program start
     ("unfused_sum", {"fuse_topk_sum": False}, True),    # per-pair w2 rows + torch top-k sum
 ]
-# per-pair path forced (fused w2 shrink and top-k sum, PDL late) where the tuned/heuristic config is sorted
-FORCED_PER_PAIR = {"per_pair": True, "fuse_shrink2": True, "fuse_topk_sum": True, "pdl": "late"}
-ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "split13", "split2", "op_us"] + [
-    v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair", "base", "base_nosplit", "floor_us", "op_vs_floor",
-                                        "best", "best_us", "best_vs_floor", "lora_overhead"]
+# per-pair path forced (fused w2 shrink and top-k sum, PDL late, block shrink as its heuristic has it) where the
+# tuned/heuristic config is sorted
+FORCED_PER_PAIR = {"per_pair": True, "fuse_shrink2": True, "fuse_topk_sum": True, "pdl": "late",
+                   "per_pair_shrink": False}
+ABLATION_COLUMNS = ["model", "T", "L", "R", "path", "split13", "split2", "pair_shrink", "op_us"] + [
+    v[0] for v in ABLATION_VARIANTS] + ["pair_shrink_off", "pair_shrink_on", "forced_per_pair", "base",
+                                        "base_nosplit", "floor_us", "op_vs_floor", "best", "best_us",
+                                        "best_vs_floor", "lora_overhead"]
 
 
 def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, warmup_ms: int, rep_ms: int,
@@ -59,20 +62,25 @@ def decode_ablation(models, tokens, ranks, L: int, sets: int, hbm_tbs: float, wa
                     return time_graph([launcher_call(lay[s % 2], stacks[s], bs[s], c) for s in range(sets)],
                                       warmup_ms, rep_ms)
 
+                pair_shrink = cfg.uses_per_pair_shrink(T * g.k)
                 row = {"model": model, "T": T, "L": L, "R": R, "path": "per-pair" if cfg.per_pair else "sorted",
-                       "split13": cfg.w13.SPLIT_K, "split2": cfg.w2.SPLIT_K if cfg.per_pair else 1}
+                       "split13": cfg.w13.SPLIT_K, "split2": cfg.w2.SPLIT_K if cfg.per_pair else 1,
+                       "pair_shrink": pair_shrink}
                 row["op_us"] = time_graph([op_call(lay[s % 2], stacks[s], batches[s]) for s in range(sets)],
                                           warmup_ms, rep_ms)
                 for name, overrides, per_pair_only in ABLATION_VARIANTS:
                     row[name] = None if per_pair_only and not cfg.per_pair else timed(overrides)
+                # the other shrink kernel (per pair <-> per row block), in the column of what it turns on or off
+                row["pair_shrink_off"] = timed({"per_pair_shrink": False}) if pair_shrink else None
+                row["pair_shrink_on"] = None if pair_shrink else timed({"per_pair_shrink": True})
                 row["forced_per_pair"] = None if cfg.per_pair else timed(FORCED_PER_PAIR)
                 row["base"] = timed({}, base_batches)
                 row["base_nosplit"] = timed(NO_SPLIT, base_batches)
                 nbytes = sum(bytes_moved(g, R, b) for b in batches) / sets
                 row["floor_us"] = nbytes / (hbm_tbs * 1e12) * 1e6
                 row["op_vs_floor"] = row["op_us"] / row["floor_us"]
-                candidates = {k: row[k] for k in ["op_us"] + [v[0] for v in ABLATION_VARIANTS] + ["forced_per_pair"]
-                              if row[k] is not None}
+                candidates = {k: row[k] for k in ["op_us"] + [v[0] for v in ABLATION_VARIANTS]
+                              + ["pair_shrink_off", "pair_shrink_on", "forced_per_pair"] if row[k] is not None}
                 row["best"] = min(candidates, key=candidates.get)
                 row["best_us"] = candidates[row["best"]]
                 row["best_vs_floor"] = row["best_us"] / row["floor_us"]
@@ -96,6 +104,8 @@ def ablation_markdown(results) -> str:
         "its w13 / w2 split-K); the other columns change one thing of that config: `nosplit` no split-K, `split` "
         "w13 split-K 4 and w2 split-K 2, `no_overlap` w13 waits for shrink13 before its main loop, `nopdl` "
         "PDL off, `early` PDL triggered at program start, `unfused_sum` per-pair w2 rows + a torch top-k sum, "
+        "`pair_shrink` whether the config runs the per-pair LoRA shrink (one program per (token, expert) pair) "
+        "rather than the block shrink, `pair_shrink_off` / `pair_shrink_on` the other one, "
         "`forced_per_pair` the per-pair path where the config is sorted; `base` / `base_nosplit`: every token -1; "
         "`lora_overhead` = op_us / base - 1; `*_vs_floor`: over the HBM floor (goal <= 1.3).",
     ]

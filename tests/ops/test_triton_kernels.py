@@ -265,6 +265,7 @@ def test_routing_groups_pairs_per_expert_and_slot(T, k, E, L, block_m):
     real = rows[rows >= 0]
     assert sorted(real.tolist()) == list(range(T * k))  # every pair exactly once
     assert (r.row_pair.view(r.grid_m, block_m)[num_blocks:] == -1).all()
+    assert torch.equal(r.row_pair[r.pair_row.long()], torch.arange(T * k, dtype=torch.int32))  # the inverse map
     flat_experts = topk_ids.reshape(-1).long()
     flat_slots = lora_ids.long().repeat_interleave(k)
     expected_blocks = sum(-(-int((flat_experts == e).sum()) // block_m) for e in range(E))
@@ -501,7 +502,8 @@ def _kernel_cache_size(kernel) -> int:
 def test_gpu_new_token_count_does_not_recompile():
     from moe_lora_compile.ops.triton import moe_kernels, routing
     kernels = (moe_kernels.moe_w13_kernel, moe_kernels.moe_w2_kernel, moe_kernels.lora_shrink_kernel,
-               routing._count_kernel, routing._offsets_kernel, routing._scatter_kernel)
+               moe_kernels.lora_shrink_pairs_kernel, routing._count_kernel, routing._offsets_kernel,
+               routing._scatter_kernel)
     c = MoECase.of_geometry(QWEN3_30B_A3B, 40, 4, 16, "alternate")
     cfg = None
     # sorted path at T=40..64, then the per-pair path (fused top-k sum) at T=1..5, same config each

@@ -12,7 +12,8 @@ default may be left out::
      "w2":  {same keys; SPLIT_K only acts in per-pair mode with the fused top-k sum},
      "shrink": {"BLOCK_K", "SPLIT_K", "num_warps", "num_stages"},
      "fuse_shrink2": bool (default: per_pair), "fuse_topk_sum": bool (default true), "w13_overlap": bool
-     (default true), "pdl": false | true | "early" | "late" (default: none, see :func:`requested_pdl`)}
+     (default true), "pdl": false | true | "early" | "late" (default: none, see :func:`requested_pdl`),
+     "per_pair_shrink": bool (default: none = :func:`default_per_pair_shrink` for the call's T*k)}
 
 Field names are the Triton meta-parameter names (``BLOCK_N``...), so a config reads like the launch it makes.
 """
@@ -90,7 +91,9 @@ class MoEKernelConfig:
     and slot into blocks of ``BLOCK_M`` rows. ``fuse_shrink2`` (default: ``per_pair``): the w2 LoRA shrink runs in
     the w13 kernel's epilogue. ``fuse_topk_sum`` (per-pair mode): the w2 kernel also sums a token's top-k rows.
     ``w13_overlap`` (with PDL): w13 streams its weights before waiting for shrink13. ``pdl``: see
-    :func:`requested_pdl`."""
+    :func:`requested_pdl`. ``per_pair_shrink``: the LoRA shrinks run one program per (token, expert) pair
+    (:func:`.moe_kernels.lora_shrink_pairs_kernel`) instead of one per row block; None (an entry tuned before the
+    field existed, or a config that leaves it out) = :func:`default_per_pair_shrink` of the call."""
 
     per_pair: bool
     BLOCK_M: int
@@ -101,6 +104,7 @@ class MoEKernelConfig:
     fuse_topk_sum: bool = True
     w13_overlap: bool = True
     pdl: PdlSetting = None
+    per_pair_shrink: Optional[bool] = None
 
     def __post_init__(self):
         if self.fuse_shrink2 is None:
@@ -126,11 +130,19 @@ class MoEKernelConfig:
         return value if isinstance(value, cls) else cls.from_dict(value)
 
     def to_dict(self) -> dict:
-        """The JSON form (``pdl`` left out when unset)."""
+        """The JSON form (``pdl`` and ``per_pair_shrink`` left out when unset)."""
         d = dataclasses.asdict(self)
-        if d["pdl"] is None:
-            del d["pdl"]
+        for key in ("pdl", "per_pair_shrink"):
+            if d[key] is None:
+                del d[key]
         return d
+
+    def uses_per_pair_shrink(self, num_pairs: int) -> bool:
+        """Whether a call with ``num_pairs`` = T*k pairs runs the per-pair shrink (``per_pair_shrink``, or the
+        heuristic where it is None)."""
+        if self.per_pair_shrink is None:
+            return default_per_pair_shrink(self.per_pair, num_pairs)
+        return self.per_pair_shrink
 
     def replace(self, **changes: Any) -> "MoEKernelConfig":
         """A copy with ``changes``; a dotted name changes one field of a kernel's config:
@@ -278,6 +290,18 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+PAIR_SHRINK_MAX_PAIRS = 512  # the heuristic's per-pair shrink: sorted mode up to this many (token, expert) pairs
+
+
+def default_per_pair_shrink(per_pair: bool, num_pairs: int) -> bool:
+    """The heuristic: the per-pair shrink in sorted mode up to :data:`PAIR_SHRINK_MAX_PAIRS` pairs (decode-sized
+    batches: blocks of few pairs and many slots, where the block shrink walks the slots serially; lora_linear's
+    per-token shrink won ~37 us -> a few us in that case on the H200), the block shrink above that. Per-pair mode
+    keeps the block shrink (one pair per block there: one slot, one dot; not measured against the per-pair
+    kernel yet)."""
+    return not per_pair and num_pairs <= PAIR_SHRINK_MAX_PAIRS
+
+
 def _even_block_k(K: int) -> int:
     """The largest of 128/64/32 that divides K (no K masks), else 64."""
     return next((b for b in (128, 64, 32) if K % b == 0), 64)
@@ -299,11 +323,13 @@ def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelC
                           num_stages=4 if small else 3)
 
     return MoEKernelConfig(per_pair=per_pair, BLOCK_M=block_m, w13=gemm(H), w2=gemm(I),
-                           shrink=ShrinkConfig(BLOCK_K=128, SPLIT_K=split_k, num_warps=4, num_stages=3))
+                           shrink=ShrinkConfig(BLOCK_K=128, SPLIT_K=split_k, num_warps=4, num_stages=3),
+                           per_pair_shrink=default_per_pair_shrink(per_pair, pairs))
 
 
 def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelConfig:
-    """The tuned config for this GPU and shape bucket, else :func:`default_config`."""
+    """The tuned config for this GPU and shape bucket (``per_pair_shrink`` filled in by
+    :func:`default_per_pair_shrink` where the entry lacks it), else :func:`default_config`."""
     table = _load(device_name(device))
     buckets = table.get(shape_key(E, H, I, R))
     if not buckets:  # the nearest tuned rank of the same layer shape
@@ -315,7 +341,15 @@ def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: 
         return default_config(E, H, I, R, T, k)
     sizes = sorted(int(t) for t in buckets)
     below = [t for t in sizes if t <= T]
-    return buckets[str(below[-1] if below else sizes[0])]
+    found = buckets[str(below[-1] if below else sizes[0])]
+    if found.per_pair_shrink is None:
+        found = _with_per_pair_shrink(found, default_per_pair_shrink(found.per_pair, T * k))
+    return found
+
+
+@functools.lru_cache(maxsize=256)
+def _with_per_pair_shrink(cfg: MoEKernelConfig, value: bool) -> MoEKernelConfig:
+    return cfg.replace(per_pair_shrink=value)  # cached: get_config runs on every eager call of the op
 
 
 # --- lora_linear: heuristic, tuned table, lookup ------------------------------------------------------------

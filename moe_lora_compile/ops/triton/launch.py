@@ -14,6 +14,11 @@ bias, times routing weight, one row per pair), then the top-k sum:
 - sorted mode: a torch sum over [T, k, H] (a token's pairs sit in blocks of different experts).
 At decode (per-pair) that is 3 launches: shrink13, w13 (+ shrink2), w2 (+ top-k sum).
 
+The shrinks (config ``per_pair_shrink``, default: sorted mode up to :data:`.configs.PAIR_SHRINK_MAX_PAIRS` pairs)
+run one program per (token, expert) pair and K slice (:func:`.moe_kernels.lora_shrink_pairs_kernel`), or one per
+row block (:func:`.moe_kernels.lora_shrink_kernel`). Both write each pair's rank vector at its row of the sorted
+order (the routing's ``pair_row``), so the consumers (w13's and w2's expand, the fused shrink2) are the same.
+
 Split-K of the base GEMMs (config ``w13.SPLIT_K``, ``w2.SPLIT_K``): at decode a layer has few (pair, column
 tile) programs, fewer than two per SM, so the weights stream from a fraction of the SMs. w13 then splits K: each
 slice writes an fp32 partial, the last slice to arrive at its tile's counter sums them in order and runs the
@@ -76,18 +81,37 @@ def _k_split(K_dim: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
 
 
 def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_k, mode, block_m,
-                   input_by_token, scale_by_weight, cfg, dtype, launch, counters=None):
+                   input_by_token, scale_by_weight, cfg, dtype, launch, counters=None, pair_row=None,
+                   per_pair_shrink=False):
     """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten).
 
     ``meta``: ``(row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m)``; what ``mode`` does not read
     may be None. ``topk_weights``: read only with ``scale_by_weight``. ``cfg``: :class:`.configs.ShrinkConfig`
-    (or its dict form). ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it)."""
+    (or its dict form). ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it).
+    ``per_pair_shrink`` (SORTED with ``pair_row``, or PER_PAIR mode): one program per pair
+    (:func:`.moe_kernels.lora_shrink_pairs_kernel`), same rows written; else one per row block."""
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
     cfg = ShrinkConfig.of(cfg)
+    zero_counters = counters is not None and counters.numel() > 0
+    if per_pair_shrink:
+        # no tl.dot: no 16-wide minimum on the K tile
+        block_k = max(16, min(cfg.BLOCK_K, triton.next_power_of_2(K_dim)))
+        split_k, k_per_split, even_k = _k_split(K_dim, block_k, cfg.SPLIT_K)
+        s = torch.empty((split_k, grid_m * block_m, R), dtype=torch.float32, device=inp.device)
+        K.lora_shrink_pairs_kernel[(num_pairs, split_k)](
+            in_ptr=inp, stride_in=inp.stride(0), a_ptr=a, stride_al=a.stride(0), stride_ae=a.stride(1),
+            stride_ar=a.stride(2), s_ptr=s, split_stride=s.stride(0),
+            topk_weights_ptr=topk_weights if scale_by_weight else None, token_lora_ptr=token_lora_ids,
+            pair_row_ptr=pair_row if mode == K.SORTED else None, topk_ids_ptr=topk_ids, num_pairs=num_pairs, K=K_dim,
+            R=R, top_k=top_k, k_per_split=k_per_split, counter_ptr=counters if zero_counters else None,
+            num_counters=counters.numel() if zero_counters else 0,
+            BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
+            SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **launch)
+        return s
     block_k = _tile(cfg.BLOCK_K, K_dim)
     split_k, k_per_split, even_k = _k_split(K_dim, block_k, cfg.SPLIT_K)
     s = torch.empty((split_k, grid_m * block_m, R), dtype=torch.float32, device=inp.device)
-    zero_counters = counters is not None and counters.numel() > 0
     K.lora_shrink_kernel[(grid_m, split_k)](
         in_ptr=inp, stride_in=inp.stride(0), a_ptr=a, stride_al=a.stride(0), stride_ae=a.stride(1),
         stride_ar=a.stride(2), s_ptr=s, topk_weights_ptr=topk_weights if scale_by_weight else None,
@@ -142,12 +166,15 @@ def fused_moe_lora_triton(
     chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=config is not None)))
     if cfg.per_pair:  # one pair per block: no routing, the kernels read the pair's expert from topk_ids
         mode, grid_m = K.PER_PAIR, num_pairs
-        row_pair = block_expert = num_blocks = None
+        row_pair = block_expert = num_blocks = pair_row = None
     else:
         routing = sort_pairs(topk_ids, token_lora_ids, E, L, block_m, chain=chain)
         mode, grid_m = K.SORTED, routing.grid_m
         row_pair, block_expert, num_blocks = routing.row_pair, routing.block_expert, routing.num_blocks
+        pair_row = routing.pair_row
     meta = (row_pair, block_expert, topk_flat, num_blocks, num_pairs, grid_m)
+    # the shrinks per pair (decode-sized batches) or per row block; both write s by row for the consumers
+    shrink_kind = dict(pair_row=pair_row, per_pair_shrink=cfg.uses_per_pair_shrink(num_pairs))
     rows = grid_m * block_m
     block_r, block_r2 = _block_r(R), _block_r(R2)
     act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
@@ -169,7 +196,7 @@ def fused_moe_lora_triton(
 
     s13 = _launch_shrink(x, a13, weights_flat, token_lora_ids, meta, K_dim=H, R=R, top_k=top_k, mode=mode,
                          block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
-                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(), counters=counters)
+                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(), counters=counters, **shrink_kind)
 
     fuse_shrink2 = cfg.fuse_shrink2
     # shrink2 in w13's epilogue: one rank-vector slice per I column tile
@@ -199,7 +226,7 @@ def fused_moe_lora_triton(
     if not fuse_shrink2:
         s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R2, top_k=top_k, mode=mode,
                             block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg.shrink,
-                            dtype=x.dtype, launch=chain.next())
+                            dtype=x.dtype, launch=chain.next(), **shrink_kind)
 
     y = out if out is not None else torch.empty((T, H), dtype=x.dtype, device=x.device)
     if topk_sum:  # fp32 partial rows per pair (and K slice), summed per token into y by the w2 kernel

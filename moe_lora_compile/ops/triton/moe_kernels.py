@@ -14,7 +14,10 @@ LoRA: a block may hold rows of several adapters. The shrink and the expand loop 
 present in the block (data, not a Python branch) and keep each slot's small ``tl.dot`` only in that slot's rows
 (``tl.where`` on the result, never a multiply by a 0/1 mask, so a non-finite value in one slot cannot reach other
 rows); a block with no LoRA row does no LoRA work. Each row's rank vector is computed once by the shrink kernel
-(split-K over the input dim, one fp32 slice per split, summed by the consumer while loading).
+(split-K over the input dim, one fp32 slice per split, summed by the consumer while loading). At decode-sized
+batches a block holds few pairs of many slots, and walking them serially with a mostly empty ``tl.dot`` each made the
+block shrink latency-bound (~11 us a launch on the H200 at 8 tokens of 8 adapters, ~1.5 us of bytes): there
+:func:`lora_shrink_pairs_kernel` runs one program per pair instead, writing the same rows.
 
 Top-k sum (w2, PER_PAIR mode, ``TOPK_SUM``): the last-arriving program of a token's k pairs per N tile sums
 their fp32 rows (see :func:`moe_w2_kernel`). PDL (``USE_PDL``): every kernel waits for its predecessor first
@@ -236,6 +239,62 @@ def lora_shrink_kernel(
         acc = acc * weight[:, None]
     s_ptrs = s_ptr + pid_k.to(tl.int64) * grid_m * BLOCK_M * R + rows[:, None].to(tl.int64) * R + offs_r[None, :]
     tl.store(s_ptrs, acc, mask=has_lora[:, None] & r_mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_counters"])
+def lora_shrink_pairs_kernel(
+    in_ptr, stride_in, a_ptr, stride_al, stride_ae, stride_ar, s_ptr, split_stride, topk_weights_ptr,
+    token_lora_ptr, pair_row_ptr, topk_ids_ptr, num_pairs, K, R, top_k, k_per_split, counter_ptr, num_counters,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+    INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
+    ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+):
+    """The per-pair shrink (decode-sized batches): what :func:`lora_shrink_kernel` computes, one (token, expert)
+    pair and K slice per program, grid (num_pairs, SPLIT_K). The slot is a scalar (no walk over a block's slots),
+    no ``tl.dot`` (``[BLOCK_R, BLOCK_K]`` products summed over K, as lora_linear's per-token shrink), pairs of
+    ``-1`` tokens exit at once. The result goes to the pair's row of the consumers' layout ``s [SPLIT_K, rows, R]``
+    (slice stride ``split_stride``): ``pair_row[pair]`` in SORTED mode (:mod:`.routing`), ``pair*BLOCK_M`` in
+    PER_PAIR mode; the input row is the token (INPUT_BY_TOKEN) or that row (``act``). ZERO_COUNTERS: as there."""
+    grid_dependency_sync(USE_PDL)
+    pair = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    if ZERO_COUNTERS:
+        offs_c = tl.arange(0, 128)
+        for c0 in range((pid_k * tl.num_programs(0) + pair) * 128, num_counters,
+                        tl.num_programs(0) * tl.num_programs(1) * 128):
+            tl.store(counter_ptr + c0 + offs_c, tl.zeros([128], dtype=tl.int32), mask=c0 + offs_c < num_counters)
+    token = pair // top_k
+    lora = tl.load(token_lora_ptr + token).to(tl.int64)
+    if lora < 0:
+        return
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    if MODE == _SORTED:
+        row = tl.load(pair_row_ptr + pair).to(tl.int64)
+    else:  # PER_PAIR
+        row = pair.to(tl.int64) * BLOCK_M
+    in_row = token.to(tl.int64) if INPUT_BY_TOKEN else row
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    r_mask = offs_r < R
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    in_ptrs = in_ptr + in_row * stride_in + offs_k
+    a_ptrs = a_ptr + lora * stride_al + expert * stride_ae + offs_r[:, None] * stride_ar + offs_k[None, :]
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(in_ptrs + k0)
+            a = tl.load(a_ptrs + k0, mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < k_end
+            x = tl.load(in_ptrs + k0, mask=k_mask, other=0.0)
+            a = tl.load(a_ptrs + k0, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    launch_dependents(USE_PDL)
+    s = tl.sum(acc, axis=1)
+    if SCALE_BY_WEIGHT:
+        s = s * tl.load(topk_weights_ptr + pair).to(tl.float32)
+    tl.store(s_ptr + pid_k.to(tl.int64) * split_stride + row * R + offs_r, s, mask=r_mask)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ the device (``num_blocks [1]``). Pairs of one expert are padded together (one ex
 they are ordered by adapter slot so a block sees few distinct adapters. Order inside one (expert, adapter) segment
 is arbitrary (atomics); each row's result does not depend on its neighbours.
 
-Four launches: one memset, count, offsets (one program), scatter. With a :class:`.pdl.LaunchChain` the three
+Four launches: one memset, count, offsets (one program), scatter. The scatter also writes the inverse map
+``pair_row`` (row of each pair), for the per-pair shrink (:func:`.moe_kernels.lora_shrink_pairs_kernel`). With a :class:`.pdl.LaunchChain` the three
 Triton kernels are the start of the layer's PDL chain (count is its first kernel: it follows the memset).
 """
 
@@ -27,12 +28,14 @@ CHUNK = 256  # pairs per program in the count/scatter kernels
 @dataclass(frozen=True)
 class Routing:
     """Sorted-pair metadata. row_pair [grid_m*BLOCK_M] int32 (NO_PAIR = padding); block_expert [grid_m] int32;
-    num_blocks [1] int32 (blocks in use, on device); grid_m: worst-case block count (host int, from shapes)."""
+    num_blocks [1] int32 (blocks in use, on device); grid_m: worst-case block count (host int, from shapes);
+    pair_row [T*k] int32: the row of each pair (``row_pair[pair_row[p]] == p``)."""
 
     row_pair: torch.Tensor
     block_expert: torch.Tensor
     num_blocks: torch.Tensor
     grid_m: int
+    pair_row: torch.Tensor
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -82,9 +85,9 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_blocks_ptr, gr
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, num_pairs, top_k,
+def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, pair_row_ptr, num_pairs, top_k,
                     NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """row_pair[cursor[segment]++] = pair."""
+    """row_pair[cursor[segment]++] = pair, and pair_row[pair] = that row."""
     grid_dependency_sync(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
@@ -92,6 +95,7 @@ def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, num_
     lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=_NO_ADAPTER).to(tl.int32)
     row = tl.atomic_add(cursor_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
     tl.store(row_pair_ptr + row, offs, mask=in_range)
+    tl.store(pair_row_ptr + offs, row, mask=in_range)
 
 
 def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts: int, num_slots: int,
@@ -110,6 +114,7 @@ def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts
     counts, cursor, num_blocks = scratch[:segments], scratch[segments:2 * segments], scratch[2 * segments:]
     row_pair = torch.empty(num_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(grid_m, dtype=torch.int32, device=device)
+    pair_row = torch.empty(num_pairs, dtype=torch.int32, device=device)
     topk_flat = topk_ids.reshape(-1)
     lora_ids = token_lora_ids.contiguous()
     _count_kernel[(triton.cdiv(max(num_pairs, num_rows), CHUNK),)](
@@ -120,6 +125,6 @@ def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts
         E_BLOCK=triton.next_power_of_2(num_experts), S_BLOCK=triton.next_power_of_2(num_slots + 1), B_CHUNK=64,
         **chain.next())
     _scatter_kernel[(triton.cdiv(num_pairs, CHUNK),)](
-        topk_flat, lora_ids, cursor, row_pair, num_pairs, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
+        topk_flat, lora_ids, cursor, row_pair, pair_row, num_pairs, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
         **chain.next())
-    return Routing(row_pair, block_expert, num_blocks, grid_m)
+    return Routing(row_pair, block_expert, num_blocks, grid_m, pair_row)

@@ -5,11 +5,12 @@
 
 Coordinate descent from the heuristic default (:func:`.configs.default_config`), or with
 ``--start shipped`` from the entry already in the file: routing mode and BLOCK_M, whether the w2 shrink is fused
-into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's split-K, then PDL (off / late /
-early); ``--groups`` limits the search to some of these coordinates (names in ``GROUPS``). Each candidate is timed
-as the median of ``triton.testing.do_bench`` over a CUDA-graph replay of the whole layer (bf16, L=4 slots, every
-token with an adapter). Entries are merged into the output file under the GPU name and ``E=..,H=..,I=..,R=..``
-shape key, after every (T, R), so a run cut short keeps what it tuned.
+into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's kind (per pair or per row block,
+``per_pair_shrink``) and split-K, then PDL (off / late / early); ``--groups`` limits the search to some of these
+coordinates (names in ``GROUPS``). Each candidate is timed as the median of ``triton.testing.do_bench`` over a
+CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an adapter). Entries are merged into the
+output file under the GPU name and ``E=..,H=..,I=..,R=..`` shape key, after every (T, R), so a run cut short keeps
+what it tuned.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _time(args_sets, cfg) -> float:
 
 GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.GROUP_SIZE_M",
           "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "w2.SPLIT_K",
-          "shrink.SPLIT_K", "pdl")
+          "per_pair_shrink", "shrink.SPLIT_K", "pdl")
 
 
 def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
@@ -93,6 +94,9 @@ def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
     if group == "fuse_shrink2":
         yield cfg.replace(fuse_shrink2=not cfg.fuse_shrink2)
         return
+    if group == "per_pair_shrink":  # the other shrink kernel (cfg's own choice resolved for these T*k pairs)
+        yield cfg.replace(per_pair_shrink=not cfg.uses_per_pair_shrink(T * g.k))
+        return
     if group == "shrink.SPLIT_K":
         for split in SPLIT_K_CHOICES:
             yield cfg.replace(**{"shrink.SPLIT_K": split})
@@ -111,6 +115,8 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig 
     heuristic config."""
     args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
     best = start or default_config(g.E, g.H, g.I, R, T, g.k)
+    if best.per_pair_shrink is None:  # a shipped entry from before the field: the heuristic, made explicit
+        best = best.replace(per_pair_shrink=best.uses_per_pair_shrink(T * g.k))
     best_us = default_us = _time(args_sets, best)
     for group in groups:  # coordinate descent: each group varies the best config so far
         for cfg in _candidates(best, T, g, group):
