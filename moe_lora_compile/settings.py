@@ -70,7 +70,12 @@ VLLM = Switch("MOE_LORA_VLLM", "0",
               "through fused_moe_lora; listing moe_lora_compile in VLLM_PLUGINS does the same; unset: installing "
               "the package changes no vLLM deployment")
 
-SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM)
+PAIR_SHRINK = Switch("MOE_LORA_PAIR_SHRINK", "0",
+                     "1: the fused MoE op's LoRA shrinks run one program per (token, expert) pair in sorted mode up "
+                     "to 512 pairs (decode batches) where a config does not say otherwise; 0 (default until it is "
+                     "measured on a GPU): the block shrink (moe_lora_compile.ops.triton.configs.default_per_pair_shrink)",
+                     read_once=True)
+SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK)
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",

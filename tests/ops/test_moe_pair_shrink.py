@@ -13,6 +13,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+
+from moe_lora_compile import settings
 from support.cases import MoECase
 from support.oracle import moe_lora_oracle
 from test_split_b13_and_out import split_problem
@@ -142,9 +144,21 @@ def test_pair_shrink_writes_the_block_shrinks_rows(mode, by_token, scale):
         torch.testing.assert_close(s[True][:, row], s[False][:, row], rtol=1e-5, atol=1e-5)
 
 
-def test_heuristic_and_config_field():
-    """Default: on in sorted mode up to PAIR_SHRINK_MAX_PAIRS pairs, off above and in per-pair mode; an entry
-    without the field (tuned before it existed) parses, round-trips, and takes the heuristic of the call."""
+def test_heuristic_is_off_unless_switched_on(set_switch):
+    """Until the per-pair shrink is measured on a GPU the heuristic keeps the block shrink; MOE_LORA_PAIR_SHRINK=1
+    turns the rule below on."""
+    g = GPT_OSS_20B
+    set_switch(settings.PAIR_SHRINK, None)
+    assert not default_per_pair_shrink(False, 32)
+    assert default_config(g.E, g.H, g.I, 32, 8, g.k).per_pair_shrink is False
+    set_switch(settings.PAIR_SHRINK, "1")
+    assert default_per_pair_shrink(False, 32)
+
+
+def test_heuristic_and_config_field(set_switch):
+    """With the switch on: on in sorted mode up to PAIR_SHRINK_MAX_PAIRS pairs, off above and in per-pair mode; an
+    entry without the field (tuned before it existed) parses, round-trips, and takes the heuristic of the call."""
+    set_switch(settings.PAIR_SHRINK, "1")
     assert default_per_pair_shrink(False, 32) and default_per_pair_shrink(False, PAIR_SHRINK_MAX_PAIRS)
     assert not default_per_pair_shrink(False, PAIR_SHRINK_MAX_PAIRS + 1) and not default_per_pair_shrink(True, 4)
     g = GPT_OSS_20B
@@ -198,9 +212,10 @@ def test_gpu_pair_shrink_on_off_agree(geometry, T, L, R, lora):
 
 
 @pytest.mark.gpu
-def test_gpu_pair_shrink_is_the_default_at_decode_batches():
-    """The op's own config (tuned entry or heuristic) runs the per-pair shrink at batch 8 on GPT-OSS-20B (sorted
-    mode), and its result matches the reference."""
+def test_gpu_pair_shrink_is_the_default_at_decode_batches(set_switch):
+    """With MOE_LORA_PAIR_SHRINK=1 the op's own config (tuned entry or heuristic) runs the per-pair shrink at batch
+    8 on GPT-OSS-20B (sorted mode), and its result matches the reference."""
+    set_switch(settings.PAIR_SHRINK, "1")
     from moe_lora_compile.ops.triton.configs import get_config
     g = GPT_OSS_20B
     cfg = get_config(torch.device("cuda"), g.E, g.H, g.I, 32, 8, g.k)

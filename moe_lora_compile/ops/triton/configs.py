@@ -293,13 +293,19 @@ def device_name(device: torch.device) -> str:
 PAIR_SHRINK_MAX_PAIRS = 512  # the heuristic's per-pair shrink: sorted mode up to this many (token, expert) pairs
 
 
-def default_per_pair_shrink(per_pair: bool, num_pairs: int) -> bool:
-    """The heuristic: the per-pair shrink in sorted mode up to :data:`PAIR_SHRINK_MAX_PAIRS` pairs (decode-sized
-    batches: blocks of few pairs and many slots, where the block shrink walks the slots serially; lora_linear's
-    per-token shrink won ~37 us -> a few us in that case on the H200), the block shrink above that. Per-pair mode
-    keeps the block shrink (one pair per block there: one slot, one dot; not measured against the per-pair
-    kernel yet)."""
+def per_pair_shrink_applies(per_pair: bool, num_pairs: int) -> bool:
+    """Where the per-pair shrink is meant to run: sorted mode up to :data:`PAIR_SHRINK_MAX_PAIRS` pairs
+    (decode-sized batches: blocks of few pairs and many slots, where the block shrink walks the slots serially;
+    lora_linear's per-token shrink won ~37 us -> a few us in that case on the H200), not above, not in per-pair mode
+    (one pair per block there: one slot, one dot)."""
     return not per_pair and num_pairs <= PAIR_SHRINK_MAX_PAIRS
+
+
+def default_per_pair_shrink(per_pair: bool, num_pairs: int) -> bool:
+    """The heuristic: :func:`per_pair_shrink_applies` when ``MOE_LORA_PAIR_SHRINK=1``, else the block shrink.
+    Off by default: the per-pair kernel is checked in the interpreter and compiled for sm_90, but not yet timed or
+    run on a GPU (the next GPU session A/Bs it: ``decode_ablation``'s pair_shrink columns)."""
+    return settings.PAIR_SHRINK.enabled() and per_pair_shrink_applies(per_pair, num_pairs)
 
 
 def _even_block_k(K: int) -> int:
