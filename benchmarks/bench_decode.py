@@ -24,6 +24,7 @@ the rows' LoRA factors) at the device-to-device copy bandwidth measured at the s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -167,8 +168,33 @@ def copy_bandwidth(device) -> float:
 # timed paths
 
 
+_GPU_LOCK = None  # path of a lock file held around every timed section (--gpu-lock)
+
+
+@contextlib.contextmanager
+def timed_section():
+    """Hold ``--gpu-lock`` (an exclusive ``flock``) while timing, so that two benchmark processes sharing the GPU
+    (one compiling while the other times) never time at the same moment; a no-op without ``--gpu-lock``."""
+    if _GPU_LOCK is None:
+        yield
+        return
+    import fcntl
+
+    with open(_GPU_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def time_hf(model, input_ids, new: int, **generate_kwargs) -> dict:
     """TTFT (one prefill forward + first token) and decode tok/s of ``model.generate`` (greedy, no EOS stop)."""
+    with timed_section():
+        return _time_hf(model, input_ids, new, **generate_kwargs)
+
+
+def _time_hf(model, input_ids, new: int, **generate_kwargs) -> dict:
     device = input_ids.device
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, **generate_kwargs)
     model.generate(input_ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm (allocator, compile)
@@ -188,6 +214,11 @@ def time_hf(model, input_ids, new: int, **generate_kwargs) -> dict:
 
 def time_ours(graphs: DecodeGraphs, input_ids, new: int, adapters) -> dict:
     """TTFT (compiled prefill) and decode tok/s of the captured steps, greedy."""
+    with timed_section():
+        return _time_ours(graphs, input_ids, new, adapters)
+
+
+def _time_ours(graphs: DecodeGraphs, input_ids, new: int, adapters) -> dict:
     device = input_ids.device
     sync(device)
     t0 = time.perf_counter()
@@ -344,13 +375,18 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
             new = min(w.new, args.hf_new)
             cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
             t0 = time.perf_counter()
-            time_hf(model, prompts[w], 4, cache_implementation="static", compile_config=cc)  # compile, warm
+            _time_hf(model, prompts[w], 4, cache_implementation="static", compile_config=cc)  # compile (no lock)
             compile_s = time.perf_counter() - t0
             r = time_hf(model, prompts[w], new, cache_implementation="static", compile_config=cc)
             rows.append(dict(model=name, column="hf_compiled", **dataclasses.asdict(w), measured_new=new,
                              compile_s=compile_s, **r))
             log(f"{name} hf_compiled b={w.batch}: {r['tok_s']:.1f} tok/s (compile {compile_s:.0f} s)")
         torch._dynamo.reset()
+    if not {"hf_peft", "ours_none", "ours_lora"} & set(args.columns):  # HF columns only: no adapters, no capture
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return
 
     with tempfile.TemporaryDirectory() as folder:
         t0 = time.perf_counter()
@@ -419,7 +455,8 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
             mix = [names[i % len(names)] for i in range(b)]
             for column, adapters in (("ours_none", None), ("ours_lora", mix)):
                 try:
-                    prof = profile_step(graphs, prompts[w], adapters, model)
+                    with timed_section():
+                        prof = profile_step(graphs, prompts[w], adapters, model)
                 except Exception as e:  # the profile is an extra: never lose the timings for it
                     log(f"{name} profile {column} b={b} failed: {e!r}")
                     continue
@@ -437,7 +474,7 @@ def to_markdown(rows: list[dict]) -> str:
     keys = sorted({(r["model"], r["batch"], r["prompt"], r["new"]) for r in timed})
     out.append("| model | batch | prompt+new | " + " | ".join(COLUMNS) + " | ours_lora ms/step | floor ms | % floor "
                "| TTFT ms (ours_lora) |")
-    out.append("|" + "---|" * (len(COLUMNS) + 8))
+    out.append("|" + "---|" * (len(COLUMNS) + 7))
     for key in keys:
         cells = {r["column"]: r for r in timed if (r["model"], r["batch"], r["prompt"], r["new"]) == key}
         lora = cells.get("ours_lora", {})
@@ -454,6 +491,23 @@ def to_markdown(rows: list[dict]) -> str:
             out.append(f"| {r['model']} | {r['batch']} | {r['column'][8:]} | " +
                        " | ".join(f"{r[c]:.2f}" for c in _CATEGORIES) + f" | {sum(r[c] for c in _CATEGORIES):.2f} |")
     return "\n".join(out) + "\n"
+
+
+def render(paths: list[str], md_path=None, png_path=None) -> int:
+    """Merge the rows of several ``--json`` files into one table (``--md``) and plot (``--png``)."""
+    docs = [json.load(open(p)) for p in paths]
+    rows = [r for d in docs for r in d["rows"]]
+    env = docs[0]["env"]
+    md = to_markdown(rows)
+    print(md)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(f"Measured {env['date']} on {env['device']} (torch {env['torch']}, transformers "
+                    f"{env.get('transformers')}; copy bandwidth {env['bandwidth_tbs']:.2f} TB/s; rows of "
+                    f"{len(paths)} runs: {', '.join(' '.join(d['env']['argv']) for d in docs)})\n\n" + md)
+    if png_path:
+        plot(rows, png_path)
+    return 0
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -513,8 +567,17 @@ def main(argv=None) -> int:
     p.add_argument("--profile", nargs="*", type=int, default=[1, 8], help="batches to profile (none: no profile)")
     p.add_argument("--check", action="store_true", help="compare the compiled prefill with the eager model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny qwen3_moe, fp32, few tokens")
+    p.add_argument("--gpu-lock", help="lock file held around every timed section: lets a second benchmark process "
+                   "(e.g. the hf_compiled column) compile while this one times, and never time at the same moment")
     p.add_argument("--json"), p.add_argument("--md"), p.add_argument("--png")
+    p.add_argument("--render", nargs="+", metavar="JSON",
+                   help="measure nothing: merge the rows of these --json files (e.g. two processes of one run) "
+                        "into --md / --png")
     args = p.parse_args(argv)
+    if args.render:
+        return render(args.render, args.md, args.png)
+    global _GPU_LOCK
+    _GPU_LOCK = args.gpu_lock
     if args.hf_compiled and "hf_compiled" not in args.columns:
         args.columns.append("hf_compiled")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -522,7 +585,8 @@ def main(argv=None) -> int:
     if args.tiny:
         args.models = ["qwen3_moe"]
         args.batches, args.prompt, args.new, args.hf_new = [1, 2], 8, 5, 4
-    bandwidth = copy_bandwidth(device) if device.type == "cuda" else 4.3e12
+    with timed_section():
+        bandwidth = copy_bandwidth(device) if device.type == "cuda" else 4.3e12
     env = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                torch=torch.__version__, bandwidth_tbs=bandwidth / 1e12, argv=sys.argv[1:], fold_gqa=args.fold_gqa)
     try:

@@ -177,7 +177,8 @@ def build(args, device, dtype):
     return mm, store, engine, vocab, names
 
 
-def run(args) -> list[dict]:
+def run(args, on_row=None) -> list[dict]:
+    """Every run's row (after the setup and calibration rows); ``on_row(rows)`` is called after each run."""
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     mm, store, engine, vocab, names = build(args, device, dtype)
@@ -196,8 +197,15 @@ def run(args) -> list[dict]:
     log(f"rates {', '.join(f'{r:.3f}' for r in rates)} requests/s: arrivals alone take "
         f"{len(args.configs) * sum(args.requests / r for r in rates):.0f} s over the {len(rates) * len(args.configs)} "
         f"runs (each run then drains its last requests)")
+    started = time.perf_counter()
     for r_i, rate in enumerate(rates):
         for config in args.configs:
+            if config == "grouped8" and args.grouped_near_only and len(rates) == 3 and r_i != 1:
+                continue
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                log(f"--budget-s {args.budget_s:.0f} spent: {config} @ {rate:.3f} req/s and later runs skipped")
+                rows.append(dict(kind="skipped", config=config, rate=rate, reason="budget"))
+                continue
             adapters = {"no_lora": [None], "lora8": resident, "lora64": paged, "grouped8": resident}[config]
             arrivals, requests = workload(args.requests, args.prompt, args.new, args.jitter, vocab, adapters, rate,
                                           seed=args.seed + r_i)
@@ -211,6 +219,8 @@ def run(args) -> list[dict]:
             log(f"{config} @ {rate:.3f} req/s: {result['otps']:.1f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms "
                 f"p99 {result['ttft_p99_ms']:.0f} ms, ITL p50 {result['itl_p50_ms']:.1f} ms p99 "
                 f"{result['itl_p99_ms']:.1f} ms, batch {result['mean_batch']:.1f}, loads {result.get('adapter_loads')}")
+            if on_row is not None:  # results so far written after every run (a run cut short keeps them)
+                on_row(rows)
     return rows
 
 
@@ -244,6 +254,9 @@ def to_markdown(rows: list[dict]) -> str:
     if ttft:
         verdict = "met" if max(ttft) <= 1.2 else "NOT met"
         out.append(f"- lora8 TTFT p50 / no_lora <= 1.2: max {max(ttft):.2f} ({verdict})")
+    skipped = [f"{r['config']} @ {r['rate']:.3f}" for r in rows if r["kind"] == "skipped"]
+    if skipped:
+        out.append(f"- not run (--budget-s spent): {', '.join(skipped)}")
     return "\n".join(out) + "\n"
 
 
@@ -297,6 +310,10 @@ def parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--eager-prefill", action="store_true",
                    help="compile_prefill=False: no prefill compile (~2 min less for a 20B model; TTFT then is the "
                         "eager prefill's)")
+    p.add_argument("--grouped-near-only", action="store_true",
+                   help="run grouped8 only at the near-saturation rate (its runs are the longest)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip the runs that would start after this many seconds of runs (results so far kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
     p.add_argument("--md")
@@ -318,15 +335,17 @@ def main(argv=None, prog=None) -> int:
         for key, value in TINY.items():
             if key not in given:
                 setattr(args, key, value)
-    rows = run(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    text = to_markdown(rows)
-    print(text)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(text)
+    def write(rows):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write(to_markdown(rows))
+
+    rows = run(args, on_row=write)
+    write(rows)
+    print(to_markdown(rows))
     if args.png:
         try:
             plot(rows, args.png)
