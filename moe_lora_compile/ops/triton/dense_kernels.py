@@ -6,7 +6,19 @@ GEMV (:func:`lora_gemv_kernel`, T <= 8, the heuristic's choice up to 4; the tune
 batch 1 the GEMM spent 15 of its 16 ``tl.dot`` rows on padding and ran at ~43 % of HBM bandwidth on the H200; the
 GEMV streams W [BLOCK_N, BLOCK_K] tiles along K (W is [N, K], K contiguous) into an fp32 [T, BLOCK_N, BLOCK_K]
 accumulator (x broadcast over the columns), split-K over about 4 programs per SM, and with PDL it streams the
-weight while the shrink still runs (its main loop reads nothing the shrink writes).
+weight while the shrink still runs (its main loop reads nothing the shrink writes). Its bandwidth is set by the
+weight bytes in flight per SM: sm_90 SASS of the tuned N16 K128 (T=1, no prefetch) has two 16-byte W loads a
+thread a K step (4 KB a program), 48 registers, 10 programs an SM: ~40 KB at best, each program waiting one full
+HBM round trip per step (the H200 ran it at ~45 % of bandwidth); N4 K512 with the one-step prefetch keeps four in
+flight (8 KB a program) at 45 registers, and without split-K the grid is N/4 programs, with no partials and no
+arrival tail. Past ~4 tokens the GEMV's CUDA-core FMAs (T per weight) and its per-token x and accumulator registers
+lose to ``tl.dot`` (T=8 N4 K256: 132 registers, 3 programs an SM).
+
+GEMM epilogue (T = 2..64 on the GEMM path). The MoE kernels' expand walks a block's distinct slots one at a time,
+a B round trip each (8 distinct adapters in a 16-row block: 8 serial L2/HBM round trips in the tail of slice 0,
+~8 us a call on the H200 for < 1 us of bytes), and the kernel waited for the shrink before its main loop.
+``EXPAND_SLOTS`` > 1 gathers the B tiles of up to that many slots in one load and multiplies them in one batched
+``tl.dot`` (:func:`_lora_expand_grouped`), and the main loop and the first group's B load run before the PDL wait.
 
 Shrink. At decode a block of 16 tokens can hold as many adapter slots as tokens, and the block shrink then walks every slot
 of the block serially on a handful of programs (measured on the H200: ~37 us a launch for 8 tokens of 8 adapters at
