@@ -110,6 +110,19 @@ def test_expand_slots_config():
     assert LinearKernelConfig.of(old).expand_slots == 8
 
 
+@pytest.mark.parametrize("block_n,R,warps,asked,used", [
+    (64, 32, 4, 8, 4),    # rank 32, 64 columns, 4 warps: 4 slots' B tiles = 64 elements a thread
+    (32, 32, 4, 8, 8),    # half the columns: all 8
+    (128, 32, 4, 8, 2),   # 128 columns: 2
+    (64, 32, 8, 8, 8),    # 8 warps: twice the budget
+    (64, 32, 4, 1, 1),    # serial asked: serial
+])
+def test_expand_slots_register_cap(block_n, R, warps, asked, used):
+    from moe_lora_compile.ops.triton.launch import _expand_slots
+
+    assert _expand_slots(config(expand_slots=asked), block_n, R, warps) == used
+
+
 def test_tuner_candidates_cover_the_new_variants():
     """Stage 1 offers split-K-free GEMV tiles with and without prefetch at T=1, none at T=8; stage 2 the expand
     groups around a GEMM config."""

@@ -167,7 +167,8 @@ class LinearKernelConfig:
     ``BLOCK_M`` or GROUP_SIZE_M, and always takes the per-token shrink; its ``num_stages`` >= 2 means loads one K
     step ahead, in registers); ``pdl``: see :func:`requested_pdl`; ``expand_slots`` (GEMM): the epilogue loads the
     B tiles of up to this many distinct adapter slots of a row block at once (one gathered load, one batched
-    ``tl.dot``), 1 = one slot at a time (a B round trip per slot).
+    ``tl.dot``; capped by a register budget, :func:`.launch._expand_slots`), 1 = one slot at a time (a B round
+    trip per slot).
 
     Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl", "expand_slots"}``
     (``per_token`` may also sit in ``shrink``, as older configs have it)."""
