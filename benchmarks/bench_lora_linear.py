@@ -8,7 +8,8 @@ Method (as the tuner's, :mod:`moe_lora_compile.ops.triton.tune_linear`): ONE CUD
 over ``--layers`` distinct weight sets (the weights do not fit in L2; the replay overhead is amortised), median of
 ``triton.testing.do_bench`` over replays, divided by the number of calls. ``floor`` = bytes (weight + bias + the
 batch's distinct adapters' A and B + x, y) at ``--hbm-tbs``. ``--configs`` also times the GEMV path and the GEMM
-path forced (heuristic tiles), at T <= 8.
+path forced (heuristic tiles) at T <= 8, and at every T the GEMM with its B expand one slot at a time
+(``expand_slots=1``, the serial form) against the grouped one (``expand_slots=8``).
 
     python benchmarks/bench_lora_linear.py --tokens 1 2 4 8 32 --json lin.json --md lin.md [--configs]
 """
@@ -96,17 +97,23 @@ def main(argv=None) -> int:
                     row["gemv_us"] = graph_us(ours(ids, cfg.replace(gemv=True, **small)))
                     gemm = default_linear_config(max(T, 5), n_in, n_out, sms).gemm
                     row["gemm_us"] = graph_us(ours(ids, cfg.replace(gemv=False, gemm=gemm)))
+                if args.configs:
+                    gemm_cfg = default_linear_config(max(T, 5), n_in, n_out, sms)
+                    row["expand1_us"] = graph_us(ours(ids, gemm_cfg.replace(expand_slots=1)))
+                    row["expand8_us"] = graph_us(ours(ids, gemm_cfg.replace(expand_slots=8)))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     md = [f"| model | proj | in->out | T | ours (LoRA, {args.slots} slots) | ours base (-1) | cuBLAS base | "
-          f"unfused torch | GEMV path | GEMM path | floor | ours % floor |", "|" + "---|" * 12]
+          f"unfused torch | GEMV path | GEMM path | GEMM expand 1 slot | GEMM expand 8 slots | floor | "
+          f"ours % floor |", "|" + "---|" * 14]
     for r in rows:
         md.append(f"| {r['model']} | {r['proj']} | {r['n_in']}->{r['n_out']} | {r['T']} | {r['ours_us']:.1f} | "
                   f"{r['ours_base_us']:.1f} | {r['cublas_base_us']:.1f} | {r['unfused_us']:.1f} | "
                   f"{r.get('gemv_us', float('nan')):.1f} | {r.get('gemm_us', float('nan')):.1f} | "
+                  f"{r.get('expand1_us', float('nan')):.1f} | {r.get('expand8_us', float('nan')):.1f} | "
                   f"{r['floor_us']:.1f} | {100 * r['floor_us'] / r['ours_us']:.0f} |")
     print("\n".join(md))
     if args.md:

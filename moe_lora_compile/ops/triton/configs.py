@@ -165,10 +165,13 @@ class LinearKernelConfig:
     :mod:`.dense_kernels`) instead of the block shrink; ``gemv``: the GEMV kernel instead of the GEMM (a handful of
     tokens, at most :data:`GEMV_MAX_T`; it reads ``gemm``'s BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, not
     ``BLOCK_M`` or GROUP_SIZE_M, and always takes the per-token shrink; its ``num_stages`` >= 2 means loads one K
-    step ahead, in registers); ``pdl``: see :func:`requested_pdl`.
+    step ahead, in registers); ``pdl``: see :func:`requested_pdl`; ``expand_slots`` (GEMM): the epilogue loads the
+    B tiles of up to this many distinct adapter slots of a row block at once (one gathered load, one batched
+    ``tl.dot``; capped by a register budget, :func:`.launch._expand_slots`), 1 = one slot at a time (a B round
+    trip per slot).
 
-    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl"}`` (``per_token`` may also
-    sit in ``shrink``, as older configs have it)."""
+    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl", "expand_slots"}``
+    (``per_token`` may also sit in ``shrink``, as older configs have it)."""
 
     BLOCK_M: int
     gemm: GemmConfig
@@ -176,10 +179,13 @@ class LinearKernelConfig:
     per_token: bool = False
     pdl: PdlSetting = None
     gemv: bool = False
+    expand_slots: int = 8
 
     def __post_init__(self):
         if self.pdl is not None:
             parse_pdl(self.pdl)
+        if self.expand_slots not in EXPAND_SLOTS:
+            raise ValueError(f"expand_slots must be one of {EXPAND_SLOTS}, got {self.expand_slots!r}")
 
     @classmethod
     def of(cls, value: Union["LinearKernelConfig", dict]) -> "LinearKernelConfig":
@@ -365,6 +371,7 @@ def _with_per_pair_shrink(cfg: MoEKernelConfig, value: bool) -> MoEKernelConfig:
 # the dict form of :class:`LinearKernelConfig`. Whether tokens have an adapter is data (ids of -1), so one entry
 # serves both; the tuner picks it on the time with and without LoRA together.
 
+EXPAND_SLOTS = (1, 2, 4, 8, 16)  # LinearKernelConfig.expand_slots: slots per gathered B load (a power of 2)
 ROWS_SHRINK_MAX_T = 64  # up to this many tokens lora_linear's shrink runs per token (dense_kernels), else per block
 GEMV_MAX_T = 8  # a ``gemv`` config is honoured up to this many tokens (its registers grow with T); else the GEMM
 GEMV_DEFAULT_MAX_T = 4  # the heuristic picks the GEMV up to this many tokens

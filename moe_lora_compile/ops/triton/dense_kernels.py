@@ -6,7 +6,19 @@ GEMV (:func:`lora_gemv_kernel`, T <= 8, the heuristic's choice up to 4; the tune
 batch 1 the GEMM spent 15 of its 16 ``tl.dot`` rows on padding and ran at ~43 % of HBM bandwidth on the H200; the
 GEMV streams W [BLOCK_N, BLOCK_K] tiles along K (W is [N, K], K contiguous) into an fp32 [T, BLOCK_N, BLOCK_K]
 accumulator (x broadcast over the columns), split-K over about 4 programs per SM, and with PDL it streams the
-weight while the shrink still runs (its main loop reads nothing the shrink writes).
+weight while the shrink still runs (its main loop reads nothing the shrink writes). Its bandwidth is set by the
+weight bytes in flight per SM: sm_90 SASS of the tuned N16 K128 (T=1, no prefetch) has two 16-byte W loads a
+thread a K step (4 KB a program), 48 registers, 10 programs an SM: ~40 KB at best, each program waiting one full
+HBM round trip per step (the H200 ran it at ~45 % of bandwidth); N4 K512 with the one-step prefetch keeps four in
+flight (8 KB a program) at 45 registers, and without split-K the grid is N/4 programs, with no partials and no
+arrival tail. Past ~4 tokens the GEMV's CUDA-core FMAs (T per weight) and its per-token x and accumulator registers
+lose to ``tl.dot`` (T=8 N4 K256: 132 registers, 3 programs an SM).
+
+GEMM epilogue (T = 2..64 on the GEMM path). The MoE kernels' expand walks a block's distinct slots one at a time,
+a B round trip each (8 distinct adapters in a 16-row block: 8 serial L2/HBM round trips in the tail of slice 0,
+~8 us a call on the H200 for < 1 us of bytes), and the kernel waited for the shrink before its main loop.
+``EXPAND_SLOTS`` > 1 gathers the B tiles of up to that many slots in one load and multiplies them in one batched
+``tl.dot`` (:func:`_lora_expand_grouped`), and the main loop and the first group's B load run before the PDL wait.
 
 Shrink. At decode a block of 16 tokens can hold as many adapter slots as tokens, and the block shrink then walks every slot
 of the block serially on a handful of programs (measured on the H200: ~37 us a launch for 8 tokens of 8 adapters at
@@ -25,6 +37,46 @@ from .moe_kernels import (_expert_gemm, _load_rank_vectors, _lora_expand, _swizz
                           launch_dependents)
 
 _COUNTER_TILE = tl.constexpr(128)
+
+
+@triton.jit
+def _slot_group(lora, has_lora, after, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The SLOTS smallest distinct slots above ``after`` among the rows with LoRA -> [SLOTS] int32, ascending, -1
+    past the last one. lora, has_lora [BLOCK_M]; registers only (a [BLOCK_M, BLOCK_M] compare)."""
+    cand = has_lora & (lora > after)
+    offs = tl.arange(0, BLOCK_M)
+    earlier_same = (lora[None, :] == lora[:, None]) & cand[None, :] & (offs[None, :] < offs[:, None])
+    first = cand & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)  # the first row of each candidate slot
+    rank = tl.sum((first[None, :] & (lora[None, :] < lora[:, None])).to(tl.int32), axis=1)  # distinct slots below
+    pick = first[None, :] & (rank[None, :] == tl.arange(0, SLOTS)[:, None])  # [SLOTS, BLOCK_M]
+    return tl.max(tl.where(pick, lora[None, :], -1), axis=1)
+
+
+@triton.jit
+def _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask):
+    """B tiles of a slot group -> [SLOTS, BLOCK_R, BLOCK_N] (zero, not fetched, for a -1 slot): one gathered load,
+    so the group's tiles are in flight together."""
+    ptrs = b_ptr + tl.where(slots >= 0, slots, 0).to(tl.int64)[:, None, None] * stride_bl + b_offs[None, :, :]
+    return tl.load(ptrs, mask=(slots >= 0)[:, None, None] & b_mask[None, :, :], other=0.0)
+
+
+@triton.jit
+def _lora_expand_grouped(s, lora, has_lora, slots, b, b_ptr, stride_bl, b_offs, b_mask, SLOTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``_lora_expand``'s result (sum over the block's slots l of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N]
+    fp32), SLOTS slots a round: the round's B tiles (``b`` [SLOTS, BLOCK_R, BLOCK_N] of ``slots``, the first round
+    loaded by the caller, before its PDL wait) come in one gathered load and one batched ``tl.dot``; a block of
+    up to SLOTS distinct slots costs one B round trip instead of one per slot. Each product is kept only in its
+    own slot's rows (``tl.where`` on the result: a non-finite B[l] reaches only the rows of l)."""
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s_b = tl.broadcast_to(s[None, :, :], (SLOTS, BLOCK_M, s.shape[1])).to(b.dtype)
+    while tl.max(slots, axis=0) >= 0:
+        part = tl.dot(s_b, b, input_precision=DOT_PRECISION)  # [SLOTS, BLOCK_M, BLOCK_N]
+        own = (lora[None, :] == slots[:, None]) & has_lora[None, :]
+        delta += tl.sum(tl.where(own[:, :, None], part, 0.0), axis=0)
+        slots = _slot_group(lora, has_lora, tl.max(slots, axis=0), SLOTS, BLOCK_M)
+        b = _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask)
+    return delta
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -84,6 +136,7 @@ def lora_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
+    EXPAND_SLOTS: tl.constexpr = 1,
 ):
     """y[t] = x[t] W^T + B[l] s[t] (+ bias), ``l = token_lora[t]`` (no delta for ``-1``). Grid (grid_m * N tiles,
     SPLIT_K). x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k*stride_wk; B element (l, n, r) at
@@ -93,8 +146,15 @@ def lora_linear_kernel(
     ``p`` does K slice ``[p*k_per_split, ...)``, slice 0 also adds the LoRA delta and the bias, and each writes its
     fp32 partial to ``part [SPLIT_K, grid_m*BLOCK_M, N]``; the last of the tile's SPLIT_K programs to arrive at
     ``counter [grid_m * N tiles]`` (int32, zeroed by the shrink) sums them in slice order and writes y:
-    deterministic, no float atomics, no extra launch."""
-    grid_dependency_sync(USE_PDL)
+    deterministic, no float atomics, no extra launch.
+
+    EXPAND_SLOTS > 1: the expand loads the B tiles of up to that many distinct slots at once
+    (:func:`_lora_expand_grouped`); 1: one slot at a time (:func:`.moe_kernels._lora_expand`, a B round trip per
+    slot: ~8 us for 8 distinct slots at decode on the H200).
+
+    PDL: the main loop reads only x (written before the shrink, the first kernel of the pair) and W, and the first
+    slot group's B tiles depend on nothing the shrink writes, so all of that runs before the wait for the shrink
+    (the weight streams while the shrink runs); the rank vectors, the counters and every store come after it."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tiles_n, GROUP_SIZE_M)
     pid_k = tl.program_id(1)
@@ -108,7 +168,6 @@ def lora_linear_kernel(
     k_start = pid_k * k_per_split
     acc = _expert_gemm(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
-    launch_dependents(USE_PDL)
 
     lora = tl.load(token_lora_ptr + rows, mask=valid, other=-1).to(tl.int32)
     if SPLIT_K > 1:  # the LoRA delta and the bias once, in slice 0
@@ -116,9 +175,19 @@ def lora_linear_kernel(
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
+    b_offs = offs_r[:, None] + offs_n[None, :] * stride_bn
+    b_mask = r_mask[:, None] & n_mask[None, :]
+    if EXPAND_SLOTS > 1:  # the first slot group's B tiles in flight while waiting for the shrink
+        slots = _slot_group(lora, has_lora, -1, EXPAND_SLOTS, BLOCK_M)
+        b_first = _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask)
+    grid_dependency_sync(USE_PDL)  # now the shrink's rank vectors and zeroed counters are visible
+    launch_dependents(USE_PDL)
     s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
-    acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, offs_r[:, None] + offs_n[None, :] * stride_bn,
-                        r_mask[:, None] & n_mask[None, :], BLOCK_M, BLOCK_N, DOT_PRECISION)
+    if EXPAND_SLOTS > 1:
+        acc += _lora_expand_grouped(s, lora, has_lora, slots, b_first, b_ptr, stride_bl, b_offs, b_mask,
+                                    EXPAND_SLOTS, BLOCK_M, BLOCK_N, DOT_PRECISION)
+    else:
+        acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, BLOCK_M, BLOCK_N, DOT_PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
@@ -146,16 +215,18 @@ def lora_linear_kernel(
 @triton.jit
 def _gemv_load(x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.constexpr):
     """-> (x [BLOCK_T, BLOCK_N, BLOCK_K] (the same row at every n), w [1, BLOCK_N, BLOCK_K]) at one K step. The loads
-    are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's: no layout conversion."""
+    are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's: no layout conversion. W is
+    read once: ``evict_first`` keeps it from pushing x, the LoRA factors and the partials out of L2."""
     if MASK_K:
         x = tl.load(x_ptrs, mask=k_mask[None, None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0,
+                    eviction_policy="evict_first")
     else:
         x = tl.load(x_ptrs)
         if EVEN_N:
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
         else:
-            w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0, eviction_policy="evict_first")
     return x, w
 
 
@@ -186,7 +257,9 @@ def lora_gemv_kernel(
     deterministic, no float atomics, no extra launch.
 
     PDL: the main loop reads only x (written before the shrink, the first kernel of the pair) and W, so it runs
-    before the wait for the shrink (the weight streams while the shrink runs)."""
+    before the wait for the shrink (the weight streams while the shrink runs). Slice 0's B gather (by the token
+    ids: nothing the shrink writes) is issued before the main loop, so it arrives with the weight stream and
+    not after it."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
@@ -202,6 +275,14 @@ def lora_gemv_kernel(
     x_ptrs = (x_ptr + tl.where(t_mask, offs_t, 0).to(tl.int64)[:, None, None] * stride_x
               + tl.zeros([1, BLOCK_N, 1], dtype=tl.int64) + offs_k[None, None, :])
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]
+    # slice 0's LoRA gather of B by each token's own slot (tokens of -1 and other slices load nothing)
+    lora = tl.where(pid_k == 0, tl.load(token_lora_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64), -1)
+    has_lora = t_mask & (lora >= 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    s_mask = has_lora[:, None] & (offs_r < R)[None, :]
+    b_ptrs = (b_ptr + tl.where(has_lora, lora, 0)[:, None, None] * stride_bl
+              + offs_n.to(tl.int64)[None, :, None] * stride_bn + offs_r[None, None, :])
+    b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:  # the next step's tiles load while this step's multiply-adds wait for theirs: 2 tiles in flight
         if k_start < k_full:
@@ -224,18 +305,11 @@ def lora_gemv_kernel(
     launch_dependents(USE_PDL)
 
     if pid_k == 0:  # the LoRA delta and the bias once, in slice 0
-        lora = tl.load(token_lora_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
-        has_lora = t_mask & (lora >= 0)
         if tl.max(has_lora.to(tl.int32), axis=0) > 0:
-            offs_r = tl.arange(0, BLOCK_R)
-            s_mask = has_lora[:, None] & (offs_r < R)[None, :]
             s_ptrs = s_ptr + offs_t.to(tl.int64)[:, None] * R + offs_r[None, :]
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
             for split in range(1, num_splits):
                 s += tl.load(s_ptrs + split * split_stride, mask=s_mask, other=0.0)
-            b_ptrs = (b_ptr + tl.where(has_lora, lora, 0)[:, None, None] * stride_bl
-                      + offs_n.to(tl.int64)[None, :, None] * stride_bn + offs_r[None, None, :])
-            b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
             out += tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)  # 0 in rows without LoRA (b, s masked)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -327,9 +327,20 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         k_per_split=k_per_split,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c.GROUP_SIZE_M,
         HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, num_warps=c.num_warps, num_stages=c.num_stages,
-        **chain.next())
+        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, EXPAND_SLOTS=_expand_slots(cfg, block_n, R, c.num_warps),
+        num_warps=c.num_warps, num_stages=c.num_stages, **chain.next())
     return out
+
+
+EXPAND_ELEMS_PER_THREAD = 64  # the grouped expand's B tiles held a thread: 64 bf16 (+ the batched dot's result)
+
+
+def _expand_slots(cfg: LinearKernelConfig, block_n: int, R: int, num_warps: int) -> int:
+    """The GEMM's EXPAND_SLOTS: ``cfg.expand_slots`` capped by the rows of a block and by a register budget (the
+    group's [slots, BLOCK_R, BLOCK_N] B tiles at most EXPAND_ELEMS_PER_THREAD a thread: sm_90 at BLOCK_N 64,
+    rank 32: 80 registers one slot at a time, 143 at 4 slots, 192 at 8)."""
+    budget = EXPAND_ELEMS_PER_THREAD * 32 * num_warps // (_block_r(R) * block_n)
+    return max(1, min(cfg.expand_slots, cfg.BLOCK_M, 1 << max(0, budget.bit_length() - 1)))
 
 
 def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig, chain: LaunchChain) -> Tensor:
@@ -338,7 +349,7 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
     T, n_in = x.shape
     n_out, R = weight.shape[0], a.shape[1]
     c = cfg.gemm
-    block_n = max(8, min(c.BLOCK_N, triton.next_power_of_2(n_out)))  # no tl.dot: no 16-wide minimum
+    block_n = max(2, min(c.BLOCK_N, triton.next_power_of_2(n_out)))  # no tl.dot: no 16-wide minimum
     block_k = max(16, min(c.BLOCK_K, triton.next_power_of_2(n_in)))
     tiles = triton.cdiv(n_out, block_n)
     split_k, k_per_split, _ = _k_split(n_in, block_k, c.SPLIT_K)

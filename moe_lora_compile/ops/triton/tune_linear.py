@@ -34,11 +34,19 @@ import torch
 from ...shapes import DECODE_MODELS
 
 PROG = "python -m moe_lora_compile.ops.triton.tune_linear"
-GEMV_TILES = [(bn, bk) for bn in (8, 16, 32, 64) for bk in (64, 128, 256)]
-GEMM_TILES = [(bn, bk) for bn in (32, 64, 128) for bk in (64, 128)]
+# GEMV W tiles [BLOCK_N, BLOCK_K], most promising first (the budget cuts the tail): at 4 warps a thread holds
+# BLOCK_N * BLOCK_K / 128 weights a K step (16 = two 16-byte loads); narrow column tiles give enough programs
+# without split-K (no partials, no arrival tail), wide K steps and the one-step-ahead prefetch (num_stages 2)
+# put more bytes in flight (sm_90 SASS, T=1: N16 K128 = 2 LDG.128 of W a step at 48 registers, 10 programs/SM;
+# N4 K512 with prefetch = 4 in flight at 45 registers, 11 programs/SM).
+GEMV_TILES = [(4, 512), (8, 256), (2, 1024), (4, 1024), (8, 512), (16, 256), (16, 128), (2, 512), (4, 256),
+              (8, 128), (32, 128), (32, 64), (16, 64), (8, 64)]
+GEMM_TILES = [(32, 64), (64, 64), (32, 128), (64, 128), (128, 64)]
 PROGRAMS_PER_SM = (1, 2, 4, 8)
-WARPS_STAGES = {True: ((2, 1), (4, 1), (4, 2), (8, 1)),  # GEMV: num_stages >= 2 = loads one step ahead
-                 False: ((4, 2), (4, 3), (4, 4), (8, 3))}  # GEMM: Triton's software pipeline depth
+GEMV_PROGRAMS_PER_SM = 4  # the GEMV's split-K candidate: about this many programs per SM (and split 1)
+WARPS_STAGES = {True: ((2, 1), (4, 1), (4, 2), (8, 1), (8, 2)),  # GEMV: num_stages >= 2 = loads one step ahead
+                False: ((4, 2), (4, 3), (4, 4), (8, 3))}  # GEMM: Triton's software pipeline depth
+EXPAND_SLOTS = (1, 4, 8)  # the GEMM's grouped B expand, tried around the best GEMM configs
 ACC_PER_THREAD = 64  # GEMV tiles whose fp32 accumulator [BLOCK_T, BLOCK_N, BLOCK_K] needs more registers are skipped
 
 
@@ -80,14 +88,18 @@ def stage1(T: int, s: Shape, num_sms: int):
                                                                     num_sms).gemm)
     out = [("heuristic", base), ("gemm-heuristic", gemm_base)]
     block_t = 1 << (T - 1).bit_length()
-    if T <= GEMV_MAX_T:
-        for bn, bk in GEMV_TILES:
-            if block_t * bn * bk > ACC_PER_THREAD * 32 * 4:
-                continue
-            for split in _splits(s.n_in, bk, -(-s.n_out // bn), num_sms):
-                out.append(("gemv", base.replace(gemv=True, **{"gemm.BLOCK_N": bn, "gemm.BLOCK_K": bk,
-                                                               "gemm.SPLIT_K": split, "gemm.num_warps": 4,
-                                                               "gemm.num_stages": 1})))
+    if T <= min(GEMV_MAX_T, GEMV_DEFAULT_MAX_T):  # past 4 tokens the GEMV's FMAs and registers lose to tl.dot
+        for prefetch in (True, False):
+            for bn, bk in GEMV_TILES:
+                if block_t * bn * bk * (3 if prefetch else 2) > 2 * ACC_PER_THREAD * 32 * 4:
+                    continue
+                tiles = -(-s.n_out // bn)
+                steps = -(-s.n_in // bk)
+                split_sm = max(1, min(-(-GEMV_PROGRAMS_PER_SM * num_sms // tiles), steps))
+                for split in sorted({1, split_sm}):
+                    out.append(("gemv", base.replace(gemv=True, **{
+                        "gemm.BLOCK_N": bn, "gemm.BLOCK_K": bk, "gemm.SPLIT_K": split, "gemm.num_warps": 4,
+                        "gemm.num_stages": 2 if prefetch else 1})))
     tiles = GEMM_TILES if T > GEMV_DEFAULT_MAX_T // 2 else [(32, 128), (64, 128)]
     for bn, bk in tiles:
         for split in _splits(s.n_in, bk, -(-s.n_out // bn), num_sms)[:3]:
@@ -96,9 +108,12 @@ def stage1(T: int, s: Shape, num_sms: int):
 
 
 def stage2(best: list) -> list:
-    """Around each of the best configs: num_warps/num_stages, the shrink's split-K halved/doubled, PDL off/early."""
+    """Around each of the best configs: the GEMM's grouped expand (``expand_slots``), num_warps/num_stages, the
+    shrink's split-K halved/doubled, PDL off/early."""
     out = []
     for cfg in best:
+        if not cfg.gemv:
+            out += [("expand", cfg.replace(expand_slots=n)) for n in EXPAND_SLOTS]
         for warps, stages in WARPS_STAGES[cfg.gemv]:
             out.append(("warps", cfg.replace(**{"gemm.num_warps": warps, "gemm.num_stages": stages})))
         for factor in (0.5, 2):
@@ -222,8 +237,9 @@ def describe(cfg) -> str:
     g = cfg.gemm
     path = "gemv" if cfg.gemv else f"gemm(M{cfg.BLOCK_M})"
     pdl = "" if cfg.pdl is None else f" pdl={cfg.pdl}"
+    expand = "" if cfg.gemv else f" expand{cfg.expand_slots}"
     return (f"{path} N{g.BLOCK_N} K{g.BLOCK_K} split{g.SPLIT_K} w{g.num_warps}s{g.num_stages} "
-            f"shrink-split{cfg.shrink.SPLIT_K}{pdl}")
+            f"shrink-split{cfg.shrink.SPLIT_K}{expand}{pdl}")
 
 
 # --- main ------------------------------------------------------------------------------------------------------
