@@ -300,6 +300,50 @@ def test_attach_quantized_gpt_oss_equals_dequantized_model(device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# configs: MXFP4 entries apart from bf16 ones, the tuner's MXFP4 coordinates
+
+
+def test_mxfp4_config_entries_are_apart_from_bf16_ones(monkeypatch):
+    """An MXFP4 call reads only ``,W=mxfp4`` entries (nearest tuned rank among them), a bf16 call only the plain
+    ones; either falls back to its own heuristic."""
+    from moe_lora_compile.ops.triton import configs
+    bf16_entry = configs.default_config(8, 64, 32, 16, 1, 2).replace(BLOCK_M=32)
+    mx_entry = configs.default_mxfp4_config(8, 64, 32, 64, 1, 2).replace(BLOCK_M=64)
+    tuned = {configs.shape_key(8, 64, 32, 16): {"1": bf16_entry},
+             configs.shape_key(8, 64, 32, 64, mxfp4=True): {"1": mx_entry}}
+    assert configs.shape_key(8, 64, 32, 64, mxfp4=True) == "E=8,H=64,I=32,R=64,W=mxfp4"
+    monkeypatch.setattr(configs, "_load", lambda name: tuned)
+    cpu = torch.device("cpu")
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2) == bf16_entry
+    assert configs.get_config(cpu, 8, 64, 32, 64, 1, 2) == bf16_entry  # bf16 R=64 missing: nearest bf16 rank
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2, mxfp4=True) == mx_entry  # nearest MXFP4 rank
+    del tuned[configs.shape_key(8, 64, 32, 16)]
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2) == configs.default_config(8, 64, 32, 16, 1, 2)
+    assert configs.get_config(cpu, 8, 96, 32, 16, 1, 2, mxfp4=True) == configs.default_mxfp4_config(
+        8, 96, 32, 16, 1, 2)
+
+
+@pytest.mark.parametrize("H,block_k", [(2880, 64), (4096, 128), (96, 32)])  # GPT-OSS; a multiple of 128; of 32 only
+def test_default_mxfp4_config_tiles(H, block_k):
+    from moe_lora_compile.ops.triton.configs import default_mxfp4_config
+    cfg = default_mxfp4_config(32, H, H, 16, 1, 4)
+    assert (cfg.w13.BLOCK_K, cfg.w2.BLOCK_K, cfg.w13.BLOCK_N) == (block_k, block_k, 32)
+    assert H % cfg.w13.BLOCK_K == 0  # no K mask in the decode loop
+
+
+def test_tuner_mxfp4_coordinates():
+    """--mxfp4 searches K tiles up to 256 and puts the GEMM coordinates first; bf16 keeps its K choices."""
+    from moe_lora_compile.ops.triton import tune
+    from moe_lora_compile.ops.triton.configs import default_mxfp4_config
+    g = GPT_OSS_20B
+    cfg = default_mxfp4_config(g.E, g.H, g.I, 16, 1, g.k)
+    assert [c.w13.BLOCK_K for c in tune._candidates(cfg, 1, g, "w13.BLOCK_K", mxfp4=True)] == [64, 128, 256]
+    assert [c.w2.BLOCK_K for c in tune._candidates(cfg, 1, g, "w2.BLOCK_K")] == list(tune.GEMM_CHOICES["BLOCK_K"])
+    assert set(tune.MXFP4_GROUPS) == set(tune.GROUPS) and tune.MXFP4_GROUPS[1].startswith("w13.")
+    assert tune.main(["--model", "qwen3-30b-a3b", "--mxfp4"]) == 2  # CPU here; on a GPU: not a transposed layout
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU: GPT-OSS-20B's shapes in bf16, CUDA graphs
 
 
