@@ -355,6 +355,7 @@ def _rel_err(y, ref):
 @pytest.mark.parametrize("T,L,R,lora", [
     (1, 4, 16, "all"),           # decode: per-pair path (w2 + top-k sum fused)
     (8, 4, 64, "alternate"),     # small batch, half the tokens without adapter
+    (32, 16, 16, "mixed"),       # sorted path at decode size, many slots
     (128, 16, 64, "mixed"),      # sorted path, many slots per block
     (512, 4, 16, "alternate"),   # prefill-sized
 ])
@@ -386,7 +387,7 @@ def _capture(fn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64])  # per-pair decode path, sorted path
+@pytest.mark.parametrize("T", [1, 8, 32, 512])  # per-pair decode path; sorted path at decode, small, prefill sizes
 def test_gpu_cuda_graph_replay_equals_eager(T):
     case = MoECase.of_geometry(GPT_OSS_20B, T, 4, 16, "alternate")
     args, kwargs, w13, w2, _ = _quantized(case, device="cuda", dtype=torch.bfloat16)
@@ -398,3 +399,25 @@ def test_gpu_cuda_graph_replay_equals_eager(T):
         static[i].copy_(fresh[i])
     graph.replay()
     torch.testing.assert_close(y_static, call(static), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,per_pair,block_n,block_k,split_k", [
+    (1, True, 16, 256, 1),    # the tuner's widest K tile (H = 2880: a masked last K step), narrow columns
+    (1, True, 32, 128, 4),    # split-K over the decode (w13 partial sums, w2 inside the top-k sum); masked K
+    (32, False, 64, 128, 1),  # sorted path, 128-wide K
+    (32, False, 128, 64, 1),  # sorted path, wide column tiles
+])
+def test_gpu_mxfp4_tuner_tiles(T, per_pair, block_n, block_k, split_k):
+    """The K tiles and splits ``tune --mxfp4`` may pick, at GPT-OSS-20B's shapes, against dequantize-then-oracle."""
+    from moe_lora_compile.ops.triton.configs import default_mxfp4_config
+    case = MoECase.of_geometry(GPT_OSS_20B, T, 4, 16, "mixed")
+    args, kwargs, w13, w2, dense = _quantized(case, device="cuda", dtype=torch.bfloat16)
+    g = GPT_OSS_20B
+    cfg = default_mxfp4_config(g.E, g.H, g.I, 16, T, g.k).replace(
+        per_pair=per_pair, fuse_shrink2=per_pair, **{f"{w}.{key}": value for w in ("w13", "w2") for key, value in
+                                                     (("BLOCK_N", block_n), ("BLOCK_K", block_k),
+                                                      ("SPLIT_K", split_k))})
+    y = fused_moe_lora_mxfp4_triton(*args[:4], w13.blocks, w13.scales, w2.blocks, w2.scales, *args[6:], **kwargs,
+                                    config=cfg)
+    assert _rel_err(y, moe_lora_oracle(*dense(torch.float32), **kwargs)) < 1e-2
