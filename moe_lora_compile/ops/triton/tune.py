@@ -15,10 +15,11 @@ what it tuned.
 ``--mxfp4`` tunes the MXFP4-expert path (``fused_moe_lora_mxfp4``: random weights quantized with
 :func:`..mxfp4.quantize_mxfp4`; a transposed-layout model such as gpt-oss-20b) from
 :func:`.configs.default_mxfp4_config`, GEMM coordinates first and K tiles up to 256 (a byte holds two values), into
-entries of their own (shape key ``...,W=mxfp4``). ``--budget SECONDS`` stops each (T, R) descent when its time is up
-(the best so far is kept; a candidate's first call compiles its kernels, a few seconds each)::
+entries of their own (shape key ``...,W=mxfp4``). ``--budget-s SECONDS`` bounds the whole run: each (T, R) gets an
+equal share of the time left and stops its descent when that is spent, keeping its best config so far (a candidate's
+first call compiles its kernels, a few seconds each; the run may overshoot by one candidate)::
 
-    python -m moe_lora_compile tune --model gpt-oss-20b --mxfp4 --tokens 1 8 32 --ranks 16 --budget 35
+    python -m moe_lora_compile tune --model gpt-oss-20b --mxfp4 --tokens 1 8 32 --ranks 16 --budget-s 100
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _time(args_sets, cfg, mxfp4: bool = False) -> float:
 GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.GROUP_SIZE_M",
           "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "w2.SPLIT_K",
           "per_pair_shrink", "shrink.SPLIT_K", "pdl")
-# MXFP4: the decode-bound GEMMs first (a --budget cut drops the least likely wins, at the end)
+# MXFP4: the decode-bound GEMMs first (a --budget-s cut drops the least likely wins, at the end)
 MXFP4_GROUPS = ("mode", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K",
                 "w2.warps_stages", "w2.SPLIT_K", "fuse_shrink2", "w13.GROUP_SIZE_M", "w2.GROUP_SIZE_M",
                 "per_pair_shrink", "shrink.SPLIT_K", "pdl")
@@ -173,8 +174,9 @@ def main(argv=None):
                         f"{' '.join(MXFP4_GROUPS)})")
     p.add_argument("--mxfp4", action="store_true",
                    help="tune the MXFP4-expert path (fused_moe_lora_mxfp4; entries under the ',W=mxfp4' shape key)")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="stop each (T, R) descent after this many seconds, keeping its best config so far")
+    p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                   help="time for the whole run: each (T, R) gets an equal share of what is left and keeps its best "
+                        "config so far when it is spent")
     a = p.parse_args(argv)
     groups = tuple(a.groups or (MXFP4_GROUPS if a.mxfp4 else GROUPS))
     if not torch.cuda.is_available():
@@ -197,6 +199,7 @@ def main(argv=None):
     table = read_table(out)
     total = len(a.tokens) * len(a.ranks)
     step = 0
+    run_start = time.time()
     for R in a.ranks:
         entries = table.setdefault(shape_key(g.E, g.H, g.I, R, a.mxfp4), {})
         for T in a.tokens:
@@ -204,7 +207,8 @@ def main(argv=None):
             t0 = time.time()
             print(f"[{step}/{total}] {name} {g.name}{' MXFP4' if a.mxfp4 else ''} T={T} R={R}", flush=True)
             start = entries.get(str(T)) if a.start == "shipped" else None
-            cfg, us, default_us = tune_one(g, T, R, start=start, groups=groups, mxfp4=a.mxfp4, budget_s=a.budget)
+            share = None if a.budget_s is None else max(0.0, a.budget_s - (t0 - run_start)) / (total - step + 1)
+            cfg, us, default_us = tune_one(g, T, R, start=start, groups=groups, mxfp4=a.mxfp4, budget_s=share)
             entries[str(T)] = cfg
             print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us ({'shipped' if start else 'default'} "
                   f"{default_us:.1f} us) "
