@@ -6,6 +6,8 @@ alternating between two sets):
 - ``mxfp4_us``: ``torch.ops.moe_lora.fused_moe_lora_mxfp4`` (the kernels decode the 4-bit values in their loads);
 - ``mxfp4_base_us``: the same with every token at -1 (base only);
 - ``bf16_us``: ``fused_moe_lora`` on the same weights dequantized to bf16 (what a dense copy costs);
+- ``mx_cfg``: whether the MXFP4 kernels ran a tuned entry (``tune --mxfp4``, shape key ``...,W=mxfp4``) or the
+  heuristic (:func:`moe_lora_compile.ops.triton.configs.default_mxfp4_config`);
 - ``floor_us``: the HBM floor of the MXFP4 layer (active experts' blocks + scales + bf16 biases, active LoRA
   factors, x and y) at ``--hbm-tbs``; ``pct_floor`` = floor / mxfp4; ``vs_bf16`` = mxfp4 / bf16.
 
@@ -20,9 +22,10 @@ import torch
 
 from moe_layer import Layer, bytes_moved, fmt, lora_stacks, make_batch, make_layer, no_adapter, op_call, time_graph
 from moe_lora_compile.ops.mxfp4 import gpt_oss_mxfp4_expert_nbytes, quantize_mxfp4
+from moe_lora_compile.ops.triton import configs as kernel_configs
 from moe_lora_compile.shapes import GPT_OSS_20B
 
-MXFP4_COLUMNS = ["T", "L", "R", "mxfp4_us", "mxfp4_base_us", "bf16_us", "floor_us", "pct_floor", "vs_bf16",
+MXFP4_COLUMNS = ["T", "L", "R", "mx_cfg", "mxfp4_us", "mxfp4_base_us", "bf16_us", "floor_us", "pct_floor", "vs_bf16",
                  "floor_ratio"]
 
 
@@ -57,7 +60,9 @@ def mxfp4_grid(tokens, adapters, ranks, sets: int, hbm_tbs: float, warmup_ms: in
         batches = [make_batch(g, T, L, 0.0, seed=100 + s) for s in range(sets)]
         layers = [sets_[s % 2] for s in range(sets)]
         stacks = [lora_stacks(lay, L, R) for lay, _ in layers]
-        row = {"T": T, "L": L, "R": R}
+        tuned = kernel_configs._rank_buckets(kernel_configs._load(kernel_configs.device_name(torch.device("cuda"))),
+                                             g.E, g.H, g.I, R, mxfp4=True)
+        row = {"T": T, "L": L, "R": R, "mx_cfg": "tuned" if tuned else "heuristic"}
         row["mxfp4_us"] = time_graph([_mxfp4_call(lay, w, st, b) for (lay, w), st, b in zip(layers, stacks, batches)],
                                      warmup_ms, rep_ms)
         if T not in base_cache:

@@ -300,6 +300,50 @@ def test_attach_quantized_gpt_oss_equals_dequantized_model(device):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# configs: MXFP4 entries apart from bf16 ones, the tuner's MXFP4 coordinates
+
+
+def test_mxfp4_config_entries_are_apart_from_bf16_ones(monkeypatch):
+    """An MXFP4 call reads only ``,W=mxfp4`` entries (nearest tuned rank among them), a bf16 call only the plain
+    ones; either falls back to its own heuristic."""
+    from moe_lora_compile.ops.triton import configs
+    bf16_entry = configs.default_config(8, 64, 32, 16, 1, 2).replace(BLOCK_M=32)
+    mx_entry = configs.default_mxfp4_config(8, 64, 32, 64, 1, 2).replace(BLOCK_M=64)
+    tuned = {configs.shape_key(8, 64, 32, 16): {"1": bf16_entry},
+             configs.shape_key(8, 64, 32, 64, mxfp4=True): {"1": mx_entry}}
+    assert configs.shape_key(8, 64, 32, 64, mxfp4=True) == "E=8,H=64,I=32,R=64,W=mxfp4"
+    monkeypatch.setattr(configs, "_load", lambda name: tuned)
+    cpu = torch.device("cpu")
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2) == bf16_entry
+    assert configs.get_config(cpu, 8, 64, 32, 64, 1, 2) == bf16_entry  # bf16 R=64 missing: nearest bf16 rank
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2, mxfp4=True) == mx_entry  # nearest MXFP4 rank
+    del tuned[configs.shape_key(8, 64, 32, 16)]
+    assert configs.get_config(cpu, 8, 64, 32, 16, 1, 2) == configs.default_config(8, 64, 32, 16, 1, 2)
+    assert configs.get_config(cpu, 8, 96, 32, 16, 1, 2, mxfp4=True) == configs.default_mxfp4_config(
+        8, 96, 32, 16, 1, 2)
+
+
+@pytest.mark.parametrize("H,block_k", [(2880, 64), (4096, 128), (96, 32)])  # GPT-OSS; a multiple of 128; of 32 only
+def test_default_mxfp4_config_tiles(H, block_k):
+    from moe_lora_compile.ops.triton.configs import default_mxfp4_config
+    cfg = default_mxfp4_config(32, H, H, 16, 1, 4)
+    assert (cfg.w13.BLOCK_K, cfg.w2.BLOCK_K, cfg.w13.BLOCK_N) == (block_k, block_k, 32)
+    assert H % cfg.w13.BLOCK_K == 0  # no K mask in the decode loop
+
+
+def test_tuner_mxfp4_coordinates():
+    """--mxfp4 searches K tiles up to 256 and puts the GEMM coordinates first; bf16 keeps its K choices."""
+    from moe_lora_compile.ops.triton import tune
+    from moe_lora_compile.ops.triton.configs import default_mxfp4_config
+    g = GPT_OSS_20B
+    cfg = default_mxfp4_config(g.E, g.H, g.I, 16, 1, g.k)
+    assert [c.w13.BLOCK_K for c in tune._candidates(cfg, 1, g, "w13.BLOCK_K", mxfp4=True)] == [64, 128, 256]
+    assert [c.w2.BLOCK_K for c in tune._candidates(cfg, 1, g, "w2.BLOCK_K")] == list(tune.GEMM_CHOICES["BLOCK_K"])
+    assert set(tune.MXFP4_GROUPS) == set(tune.GROUPS) and tune.MXFP4_GROUPS[1].startswith("w13.")
+    assert tune.main(["--model", "qwen3-30b-a3b", "--mxfp4"]) == 2  # CPU here; on a GPU: not a transposed layout
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU: GPT-OSS-20B's shapes in bf16, CUDA graphs
 
 
@@ -311,6 +355,7 @@ def _rel_err(y, ref):
 @pytest.mark.parametrize("T,L,R,lora", [
     (1, 4, 16, "all"),           # decode: per-pair path (w2 + top-k sum fused)
     (8, 4, 64, "alternate"),     # small batch, half the tokens without adapter
+    (32, 16, 16, "mixed"),       # sorted path at decode size, many slots
     (128, 16, 64, "mixed"),      # sorted path, many slots per block
     (512, 4, 16, "alternate"),   # prefill-sized
 ])
@@ -342,7 +387,7 @@ def _capture(fn):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64])  # per-pair decode path, sorted path
+@pytest.mark.parametrize("T", [1, 8, 32, 512])  # per-pair decode path; sorted path at decode, small, prefill sizes
 def test_gpu_cuda_graph_replay_equals_eager(T):
     case = MoECase.of_geometry(GPT_OSS_20B, T, 4, 16, "alternate")
     args, kwargs, w13, w2, _ = _quantized(case, device="cuda", dtype=torch.bfloat16)
@@ -354,3 +399,25 @@ def test_gpu_cuda_graph_replay_equals_eager(T):
         static[i].copy_(fresh[i])
     graph.replay()
     torch.testing.assert_close(y_static, call(static), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,per_pair,block_n,block_k,split_k", [
+    (1, True, 16, 256, 1),    # the tuner's widest K tile (H = 2880: a masked last K step), narrow columns
+    (1, True, 32, 128, 4),    # split-K over the decode (w13 partial sums, w2 inside the top-k sum); masked K
+    (32, False, 64, 128, 1),  # sorted path, 128-wide K
+    (32, False, 128, 64, 1),  # sorted path, wide column tiles
+])
+def test_gpu_mxfp4_tuner_tiles(T, per_pair, block_n, block_k, split_k):
+    """The K tiles and splits ``tune --mxfp4`` may pick, at GPT-OSS-20B's shapes, against dequantize-then-oracle."""
+    from moe_lora_compile.ops.triton.configs import default_mxfp4_config
+    case = MoECase.of_geometry(GPT_OSS_20B, T, 4, 16, "mixed")
+    args, kwargs, w13, w2, dense = _quantized(case, device="cuda", dtype=torch.bfloat16)
+    g = GPT_OSS_20B
+    cfg = default_mxfp4_config(g.E, g.H, g.I, 16, T, g.k).replace(
+        per_pair=per_pair, fuse_shrink2=per_pair, **{f"{w}.{key}": value for w in ("w13", "w2") for key, value in
+                                                     (("BLOCK_N", block_n), ("BLOCK_K", block_k),
+                                                      ("SPLIT_K", split_k))})
+    y = fused_moe_lora_mxfp4_triton(*args[:4], w13.blocks, w13.scales, w2.blocks, w2.scales, *args[6:], **kwargs,
+                                    config=cfg)
+    assert _rel_err(y, moe_lora_oracle(*dense(torch.float32), **kwargs)) < 1e-2

@@ -1,11 +1,11 @@
 """Kernel configs of the fused MoE layer: the typed config, its defaults, the PDL precedence, the tuned entries
 shipped as JSON (``moe_lora_compile/configs/<gpu>.json``) and the heuristic fallback.
 
-A JSON file (one per GPU name) maps a shape key ``E=..,H=..,I=..,R=..`` (R = the padded rank BLOCK_R) to token
-buckets ``{"T": config}``; the entry of the largest bucket <= T is used (the smallest if T is below all); a
-missing rank bucket takes the nearest tuned rank of the same layer shape. An entry is the JSON form of
-:class:`MoEKernelConfig` (:meth:`~MoEKernelConfig.to_dict` / :meth:`~MoEKernelConfig.from_dict`); keys with a
-default may be left out::
+A JSON file (one per GPU name) maps a shape key ``E=..,H=..,I=..,R=..`` (R = the padded rank BLOCK_R; with a
+``,W=mxfp4`` suffix for MXFP4 experts, tuned apart: ``tune --mxfp4``) to token buckets ``{"T": config}``; the
+entry of the largest bucket <= T is used (the smallest if T is below all); a missing rank bucket takes the nearest
+tuned rank of the same layer shape and weight format. An entry is the JSON form of :class:`MoEKernelConfig`
+(:meth:`~MoEKernelConfig.to_dict` / :meth:`~MoEKernelConfig.from_dict`); keys with a default may be left out::
 
     {"per_pair": bool, "BLOCK_M": int,
      "w13": {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "SPLIT_K" (default 1)},
@@ -262,8 +262,13 @@ def gpu_file_name(device_name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", device_name).strip("_") + ".json"
 
 
-def shape_key(E: int, H: int, I: int, R: int) -> str:
-    return f"E={E},H={H},I={I},R={triton.next_power_of_2(max(R, 16))}"
+MXFP4_KEY_SUFFIX = ",W=mxfp4"  # shape keys of the MXFP4-expert entries (``fused_moe_lora_mxfp4``)
+
+
+def shape_key(E: int, H: int, I: int, R: int, mxfp4: bool = False) -> str:
+    """The table key of a layer shape at the padded rank; MXFP4 experts get their own entries (suffix
+    :data:`MXFP4_KEY_SUFFIX`): their GEMMs decode 4-bit weights and want other tiles than bf16 ones."""
+    return f"E={E},H={H},I={I},R={triton.next_power_of_2(max(R, 16))}" + (MXFP4_KEY_SUFFIX if mxfp4 else "")
 
 
 def read_table(path: pathlib.Path) -> dict[str, dict[str, MoEKernelConfig]]:
@@ -339,18 +344,40 @@ def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelC
                            per_pair_shrink=default_per_pair_shrink(per_pair, pairs))
 
 
-def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelConfig:
+def default_mxfp4_config(E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelConfig:
+    """Heuristic for MXFP4 experts without a tuned entry: :func:`default_config`'s routing and shrink, GEMM tiles
+    for a decode-bound loop (sm_90 SASS: ~5 instructions per weight value, so the tiles that keep registers low
+    and programs many): w13 32 gate/up column pairs x 128 inputs (64 weight rows), w2 64 x 128, K steps of 128
+    where K allows it without a mask, else of 64."""
+    cfg = default_config(E, H, I, R, T, k)
+    block_k13, block_k2 = (128 if K % 128 == 0 else _even_block_k(K) for K in (H, I))
+    return cfg.replace(**{"w13.BLOCK_N": 32, "w13.BLOCK_K": block_k13, "w2.BLOCK_K": block_k2})
+
+
+def _rank_buckets(table: dict, E: int, H: int, I: int, R: int, mxfp4: bool) -> Optional[dict]:
+    """The T buckets of ``table`` for this shape at the padded rank R, else at the nearest tuned rank of the same
+    shape and weight format; None if neither."""
+    key = shape_key(E, H, I, R, mxfp4)
+    if key in table:
+        return table[key]
+    prefix = shape_key(E, H, I, R).rsplit(",R=", 1)[0] + ",R="
+    suffix = MXFP4_KEY_SUFFIX if mxfp4 else ""
+    ranks = sorted(int(rest[: len(rest) - len(suffix)]) for rest in
+                   (key[len(prefix):] for key in table if key.startswith(prefix))
+                   if rest.endswith(suffix) and rest[: len(rest) - len(suffix)].isdigit())
+    if not ranks:
+        return None
+    return table[prefix + str(min(ranks, key=lambda r: abs(r - R))) + suffix]
+
+
+def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int,
+               mxfp4: bool = False) -> MoEKernelConfig:
     """The tuned config for this GPU and shape bucket (``per_pair_shrink`` filled in by
-    :func:`default_per_pair_shrink` where the entry lacks it), else :func:`default_config`."""
-    table = _load(device_name(device))
-    buckets = table.get(shape_key(E, H, I, R))
-    if not buckets:  # the nearest tuned rank of the same layer shape
-        prefix = shape_key(E, H, I, R).rsplit(",R=", 1)[0] + ",R="
-        ranks = sorted(int(key.rsplit("=", 1)[1]) for key in table if key.startswith(prefix))
-        if ranks:
-            buckets = table[prefix + str(min(ranks, key=lambda r: abs(r - R)))]
+    :func:`default_per_pair_shrink` where the entry lacks it), else :func:`default_config`
+    (:func:`default_mxfp4_config` for MXFP4 experts, whose entries are their own: ``mxfp4``)."""
+    buckets = _rank_buckets(_load(device_name(device)), E, H, I, R, mxfp4)
     if not buckets:
-        return default_config(E, H, I, R, T, k)
+        return (default_mxfp4_config if mxfp4 else default_config)(E, H, I, R, T, k)
     sizes = sorted(int(t) for t in buckets)
     below = [t for t in sizes if t <= T]
     found = buckets[str(below[-1] if below else sizes[0])]

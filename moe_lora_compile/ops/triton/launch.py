@@ -155,7 +155,8 @@ def fused_moe_lora_triton(
             w13_scales=w13_scales, w2_scales=w2_scales))
     if T == 0:
         return x.new_empty((0, H)) if out is None else out
-    cfg = MoEKernelConfig.of(config) if config is not None else get_config(x.device, E, H, I, max(R, R2), T, top_k)
+    cfg = (MoEKernelConfig.of(config) if config is not None
+           else get_config(x.device, E, H, I, max(R, R2), T, top_k, mxfp4=w13_scales is not None))
     block_m = 16 if cfg.per_pair else cfg.BLOCK_M
     num_pairs = T * top_k
     x = x.contiguous()

@@ -11,6 +11,15 @@ coordinates (names in ``GROUPS``). Each candidate is timed as the median of ``tr
 CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an adapter). Entries are merged into the
 output file under the GPU name and ``E=..,H=..,I=..,R=..`` shape key, after every (T, R), so a run cut short keeps
 what it tuned.
+
+``--mxfp4`` tunes the MXFP4-expert path (``fused_moe_lora_mxfp4``: random weights quantized with
+:func:`..mxfp4.quantize_mxfp4`; a transposed-layout model such as gpt-oss-20b) from
+:func:`.configs.default_mxfp4_config`, GEMM coordinates first and K tiles up to 256 (a byte holds two values), into
+entries of their own (shape key ``...,W=mxfp4``). ``--budget-s SECONDS`` bounds the whole run: each (T, R) gets an
+equal share of the time left and stops its descent when that is spent, keeping its best config so far (a candidate's
+first call compiles its kernels, a few seconds each; the run may overshoot by one candidate)::
+
+    python -m moe_lora_compile tune --model gpt-oss-20b --mxfp4 --tokens 1 8 32 --ranks 16 --budget-s 100
 """
 
 from __future__ import annotations
@@ -24,14 +33,14 @@ import time
 import torch
 
 from ...shapes import MODELS, MoEGeometry
-from ..layout import w13_shape, w2_shape
+from ..layout import is_transposed, w13_shape, w2_shape
 
 try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main() says so in one line)
     import triton
 
-    from .configs import (CONFIG_DIR, MoEKernelConfig, default_config, device_name, gpu_file_name, read_table,
-                          shape_key, write_table)
-    from .launch import fused_moe_lora_triton
+    from .configs import (CONFIG_DIR, MoEKernelConfig, default_config, default_mxfp4_config, device_name,
+                          gpu_file_name, read_table, shape_key, write_table)
+    from .launch import fused_moe_lora_mxfp4_triton, fused_moe_lora_triton
 except ImportError as _error:
     triton = None
     _TRITON_ERROR = str(_error)
@@ -41,24 +50,34 @@ GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stage
                 "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
 SPLIT_K_CHOICES = (1, 4, 8, 16)
 PDL_CHOICES = (False, "late", "early")
+MXFP4_BLOCK_K_CHOICES = (64, 128, 256)  # MXFP4 K tiles: 32 bytes of a weight row per 64 inputs
 
 
-def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int):
+def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int, mxfp4: bool = False):
+    """(args, kwargs) of :func:`.launch.fused_moe_lora_triton`, or with ``mxfp4`` of
+    :func:`.launch.fused_moe_lora_mxfp4_triton` (the bf16 weights quantized: blocks, scales in place of each)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
     w13, w2 = rnd(*w13_shape(g.layout, g.E, g.H, g.I)), rnd(*w2_shape(g.layout, g.E, g.H, g.I))
+    weights_args = (w13, w2)
+    if mxfp4:
+        from ..mxfp4 import quantize_mxfp4
+
+        q13, q2 = quantize_mxfp4(w13), quantize_mxfp4(w2)
+        weights_args = (q13.blocks, q13.scales, q2.blocks, q2.scales)
     lora = (rnd(L, g.E, R, g.H), rnd(L, g.E, 2 * g.I, R), rnd(L, g.E, R, g.I), rnd(L, g.E, g.H, R))
     x = rnd(T, g.H) * 20
     weights, ids = torch.topk(torch.rand(T, g.E, device="cuda", generator=gen), g.k, dim=-1)
     lora_ids = torch.randint(0, L, (T,), device="cuda", generator=gen, dtype=torch.int32)
     bias = dict(w13_bias=rnd(g.E, 2 * g.I), w2_bias=rnd(g.E, g.H)) if g.bias else {}
-    return (x, ids.to(torch.int32), weights.to(torch.bfloat16), lora_ids, w13, w2, *lora), dict(
+    return (x, ids.to(torch.int32), weights.to(torch.bfloat16), lora_ids, *weights_args, *lora), dict(
         layout=g.layout, activation=g.activation, **bias)
 
 
-def _time(args_sets, cfg) -> float:
+def _time(args_sets, cfg, mxfp4: bool = False) -> float:
     """us per layer call, median over CUDA-graph replays of one call per input set."""
-    calls = [lambda a=a, kw=kw: fused_moe_lora_triton(*a, **kw, config=cfg) for a, kw in args_sets]
+    launch = fused_moe_lora_mxfp4_triton if mxfp4 else fused_moe_lora_triton
+    calls = [lambda a=a, kw=kw: launch(*a, **kw, config=cfg) for a, kw in args_sets]
     for fn in calls:
         fn()
     torch.cuda.synchronize()
@@ -73,10 +92,14 @@ def _time(args_sets, cfg) -> float:
 GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.GROUP_SIZE_M",
           "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "w2.SPLIT_K",
           "per_pair_shrink", "shrink.SPLIT_K", "pdl")
+# MXFP4: the decode-bound GEMMs first (a --budget-s cut drops the least likely wins, at the end)
+MXFP4_GROUPS = ("mode", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K",
+                "w2.warps_stages", "w2.SPLIT_K", "fuse_shrink2", "w13.GROUP_SIZE_M", "w2.GROUP_SIZE_M",
+                "per_pair_shrink", "shrink.SPLIT_K", "pdl")
 
 
-def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
-    """Variants of ``cfg`` along one coordinate ``group``."""
+def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str, mxfp4: bool = False):
+    """Variants of ``cfg`` along one coordinate ``group`` (``mxfp4``: MXFP4 K tiles)."""
     if group == "mode":
         pairs = T * g.k
         if pairs <= 64:
@@ -102,7 +125,7 @@ def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
             yield cfg.replace(**{"shrink.SPLIT_K": split})
         return
     kernel, key = group.split(".")
-    for value in GEMM_CHOICES[key]:
+    for value in MXFP4_BLOCK_K_CHOICES if mxfp4 and key == "BLOCK_K" else GEMM_CHOICES[key]:
         if key == "warps_stages":
             yield cfg.replace(**{f"{kernel}.num_warps": value[0], f"{kernel}.num_stages": value[1]})
         else:
@@ -110,20 +133,25 @@ def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str):
 
 
 def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig | None = None,
-             groups: tuple = GROUPS) -> tuple[MoEKernelConfig, float, float]:
+             groups: tuple = GROUPS, mxfp4: bool = False,
+             budget_s: float | None = None) -> tuple[MoEKernelConfig, float, float]:
     """-> (best config, its us, the starting config's us) for T tokens, rank R; ``start`` defaults to the
-    heuristic config."""
-    args_sets = [_inputs(g, T, L, R, seed) for seed in (1, 2)]
-    best = start or default_config(g.E, g.H, g.I, R, T, g.k)
+    heuristic config (of the MXFP4 path with ``mxfp4``). ``budget_s``: no new candidate after that many seconds."""
+    t0 = time.time()
+    args_sets = [_inputs(g, T, L, R, seed, mxfp4) for seed in (1, 2)]
+    best = start or (default_mxfp4_config if mxfp4 else default_config)(g.E, g.H, g.I, R, T, g.k)
     if best.per_pair_shrink is None:  # a shipped entry from before the field: the heuristic, made explicit
         best = best.replace(per_pair_shrink=best.uses_per_pair_shrink(T * g.k))
-    best_us = default_us = _time(args_sets, best)
+    best_us = default_us = _time(args_sets, best, mxfp4)
     for group in groups:  # coordinate descent: each group varies the best config so far
-        for cfg in _candidates(best, T, g, group):
+        for cfg in _candidates(best, T, g, group, mxfp4):
             if cfg == best:
                 continue
+            if budget_s is not None and time.time() - t0 > budget_s:
+                print(f"    budget of {budget_s:.0f} s spent: stopped before {group}", flush=True)
+                return best, best_us, default_us
             try:
-                us = _time(args_sets, cfg)
+                us = _time(args_sets, cfg, mxfp4)
             except Exception as exc:  # e.g. out of shared memory for a tile/stage combination
                 print(f"    {group}: skipped ({type(exc).__name__})", flush=True)
                 continue
@@ -141,9 +169,16 @@ def main(argv=None):
     p.add_argument("--out", help="JSON file to merge into (default: the package's file for this GPU)")
     p.add_argument("--start", choices=("default", "shipped"), default="default",
                    help="start from the heuristic config, or from the entry already in the file for this T")
-    p.add_argument("--groups", nargs="+", choices=GROUPS, default=list(GROUPS), metavar="GROUP",
-                   help=f"coordinates to search, in order (default all: {' '.join(GROUPS)})")
+    p.add_argument("--groups", nargs="+", choices=GROUPS, default=None, metavar="GROUP",
+                   help=f"coordinates to search, in order (default all: {' '.join(GROUPS)}; with --mxfp4: "
+                        f"{' '.join(MXFP4_GROUPS)})")
+    p.add_argument("--mxfp4", action="store_true",
+                   help="tune the MXFP4-expert path (fused_moe_lora_mxfp4; entries under the ',W=mxfp4' shape key)")
+    p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+                   help="time for the whole run: each (T, R) gets an equal share of what is left and keeps its best "
+                        "config so far when it is spent")
     a = p.parse_args(argv)
+    groups = tuple(a.groups or (MXFP4_GROUPS if a.mxfp4 else GROUPS))
     if not torch.cuda.is_available():
         build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
         print(f"{PROG}: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not "
@@ -154,20 +189,26 @@ def main(argv=None):
               "pip install 'triton>=3.6'", file=sys.stderr)
         return 2
     g = MODELS[a.model]
+    if a.mxfp4 and not is_transposed(g.layout):
+        print(f"{PROG}: error: --mxfp4 needs a model whose experts are stored [E, in, out] (MXFP4 blocks are "
+              f"GPT-OSS's layout), got {g.name} ({g.layout})", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
     name = device_name(device)
     out = pathlib.Path(a.out) if a.out else CONFIG_DIR / gpu_file_name(name)
     table = read_table(out)
     total = len(a.tokens) * len(a.ranks)
     step = 0
+    run_start = time.time()
     for R in a.ranks:
-        entries = table.setdefault(shape_key(g.E, g.H, g.I, R), {})
+        entries = table.setdefault(shape_key(g.E, g.H, g.I, R, a.mxfp4), {})
         for T in a.tokens:
             step += 1
             t0 = time.time()
-            print(f"[{step}/{total}] {name} {g.name} T={T} R={R}", flush=True)
+            print(f"[{step}/{total}] {name} {g.name}{' MXFP4' if a.mxfp4 else ''} T={T} R={R}", flush=True)
             start = entries.get(str(T)) if a.start == "shipped" else None
-            cfg, us, default_us = tune_one(g, T, R, start=start, groups=tuple(a.groups))
+            share = None if a.budget_s is None else max(0.0, a.budget_s - (t0 - run_start)) / (total - step + 1)
+            cfg, us, default_us = tune_one(g, T, R, start=start, groups=groups, mxfp4=a.mxfp4, budget_s=share)
             entries[str(T)] = cfg
             print(f"[{step}/{total}] T={T} R={R}: {us:.1f} us ({'shipped' if start else 'default'} "
                   f"{default_us:.1f} us) "
