@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One GPU lease as three device calls of < 10 minutes each (every step has its own time limit, so a call always
+# ends with its results packed): results under $OUT/<call>.tgz plus the markdown tables beside it.
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh tests     # all gpu-marked tests (xdist), then the layer ablations
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh serving   # benchmarks/bench_serving.py, GPT-OSS-20B geometry
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode    # bench_decode: ours + HF eager/PEFT, hf_compiled in a
+#                                                       # second process (--gpu-lock), then the chat-shaped run
+set -uo pipefail
+CALL=${1:?tests|serving|decode}
+OUT=${OUT:-/tmp/moe_lora_out}
+W="$OUT/$CALL"; export W
+mkdir -p "$W"
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+START=$(date +%s)
+left() { echo $(( ${LIMIT:-570} - ($(date +%s) - START) )); }
+step() {  # step NAME SECONDS CMD...: run with a time limit (capped by what the call has left), log to $W/NAME.log
+  local name=$1 secs=$2; shift 2
+  local cap; cap=$(left); [ "$cap" -lt "$secs" ] && secs=$cap
+  if [ "$secs" -le 5 ]; then echo "SKIP $name (call time spent)" | tee -a "$W/steps.txt"; return; fi
+  local t0; t0=$(date +%s)
+  timeout --signal=INT --kill-after=10 "$secs" "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$W/steps.txt"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
+  python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, 'peft', peft.__version__)"; git log --oneline -1 2>/dev/null; } \
+  > "$W/env.txt" 2>&1
+cat "$W/env.txt"
+
+case $CALL in
+tests)
+  if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-8}" --dist load); else XDIST=(); fi
+  step gpu_tests 390 env TORCHINDUCTOR_COMPILE_THREADS=2 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+    "${XDIST[@]}" --durations=15 tests
+  tail -25 "$W/gpu_tests.log"
+  # the dense LoRA tuner (GPT-OSS-20B shapes; merges into the package's table, a copy comes back)
+  step tune_linear 130 python3 -m moe_lora_compile.ops.triton.tune_linear --models gpt-oss-20b --budget-s 95 \
+    --out "$W/NVIDIA_H200_linear.json"
+  grep -h "best\|^|" "$W/tune_linear.log" | tail -12
+  step ablation 75 python3 benchmarks/bench_fused_moe_lora.py --decode-ablation --models gpt-oss-20b \
+    --tokens 8 32 64 --ranks 32 --rep-ms 25 --json "$W/ablation.json" --md "$W/ablation.md"
+  [ -n "${EXTRA_TESTS_CALL:-}" ] && step extra 200 bash -c "$EXTRA_TESTS_CALL"
+  ;;
+serving)
+  step serving 560 python3 benchmarks/bench_serving.py --model gpt-oss-20b ${SERVING_ARGS:-} \
+    --json "$W/serving.json" --md "$W/serving.md" --png "$W/serving.png"
+  tail -30 "$W/serving.log"
+  [ -n "${EXTRA_SERVING_CALL:-}" ] && step extra 200 bash -c "$EXTRA_SERVING_CALL"
+  ;;
+decode)
+  LOCK=/tmp/gpu_timing.lock
+  # hf_compiled (two compiles of minutes) in a second process; timed sections of both hold $LOCK
+  timeout --signal=INT 420 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 --prompt 512 \
+    --new 128 --columns hf_compiled --hf-new 32 --gpu-lock "$LOCK" --json "$W/decode_hfc.json" \
+    > "$W/decode_hfc.log" 2>&1 &
+  HFC=$!
+  step decode_main 360 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 32 64 --prompt 512 \
+    --new 128 --columns hf_eager hf_peft ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill \
+    --profile 1 8 --gpu-lock "$LOCK" ${DECODE_ARGS:-} --json "$W/decode_main.json"
+  wait $HFC; echo "decode_hfc rc=$?" | tee -a "$W/steps.txt"
+  step decode_chat 170 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 --prompt 1600 --new 600 \
+    --columns hf_eager ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill --profile \
+    ${DECODE_ARGS:-} --json "$W/decode_chat.json"
+  python3 benchmarks/bench_decode.py --render "$W"/decode_*.json --md "$W/decode.md" --png "$W/decode.png" \
+    > /dev/null 2>&1
+  grep -h "tok/s\|compile" "$W"/decode_*.log | tail -40
+  ;;
+esac
+cp "$W"/*.md "$W"/*.png "$OUT/" 2>/dev/null
+tar czf "$OUT/$CALL.tgz" -C "$W" .
+rm -rf "$W"
+ls -la "$OUT"
