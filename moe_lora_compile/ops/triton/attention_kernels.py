@@ -73,7 +73,6 @@ def decode_attention_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     k_base = k_ptr + b64 * stride_kb + g * stride_kh
     v_base = v_ptr + b64 * stride_vb + g * stride_vh
-    mask_base = mask_ptr + b64 * stride_mb + pos[:, None] * stride_ms
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -84,8 +83,8 @@ def decode_attention_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
         if HAS_MASK:
-            bias = tl.load(mask_base + offs_n[None, :] * stride_ml, mask=row_ok[:, None] & n_ok[None, :],
-                           other=float("-inf")).to(tl.float32)
+            mask_ptrs = mask_ptr + b64 * stride_mb + pos[:, None] * stride_ms + offs_n[None, :] * stride_ml
+            bias = tl.load(mask_ptrs, mask=row_ok[:, None] & n_ok[None, :], other=float("-inf")).to(tl.float32)
             keep = bias > masked_below
         else:
             bias = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
