@@ -41,7 +41,8 @@ def check_decode_attention_args(query, key, value, mask, scaling, sinks) -> None
         if t.dtype not in _FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
         if t.device != query.device:
-            raise ValueError(f"{name} is on {t.device} but query is on {query.device}; all tensors must share one device")
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}; all tensors must share one "
+                             f"device")
     if key.dtype != query.dtype or value.dtype != query.dtype:
         raise TypeError(f"key and value must have query's dtype {query.dtype}, got {key.dtype} / {value.dtype}")
     B, H, S, D = query.shape
