@@ -413,10 +413,11 @@ def run_model(name: str, args, device, dtype, bandwidth: float, rows: Rows) -> N
     buckets = sorted({w.batch for w in workloads})
     graphs = DecodeGraphs(mm, batch_sizes=buckets, max_cache_len=max_cache, capture=device.type == "cuda",
                           compile=not args.no_compile, compile_prefill=not args.eager_prefill, log=log,
-                          fold_gqa=args.fold_gqa)
+                          fold_gqa=args.fold_gqa, attention=args.attention)
     impl = mm.model.config._attn_implementation
     log(f"{name}: fold_gqa={args.fold_gqa!r}: attention {impl!r}"
-        + (" (decode steps folded)" if args.fold_gqa == "all" and impl == "sdpa" else ""))
+        + (" (decode steps folded)" if args.fold_gqa == "all" and impl == "sdpa" else "")
+        + (" (decode steps: moe_lora.decode_attention)" if args.attention == "triton" else ""))
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
@@ -564,6 +565,9 @@ def main(argv=None) -> int:
     p.add_argument("--fold-gqa", choices=["off", "eager", "all"], default="eager",
                    help="DecodeGraphs(fold_gqa=...): eager (default) folds eager-attention models (GPT-OSS); all also "
                         "runs SDPA models' decode steps (Qwen3) through the folded attention; off folds nothing")
+    p.add_argument("--attention", choices=["default", "triton"], default="default",
+                   help="DecodeGraphs(attention=...): triton runs every decode step's attention through the "
+                        "flash-decoding kernel moe_lora.decode_attention; default: the model's (folded) attention")
     p.add_argument("--profile", nargs="*", type=int, default=[1, 8], help="batches to profile (none: no profile)")
     p.add_argument("--check", action="store_true", help="compare the compiled prefill with the eager model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny qwen3_moe, fp32, few tokens")
@@ -588,7 +592,8 @@ def main(argv=None) -> int:
     with timed_section():
         bandwidth = copy_bandwidth(device) if device.type == "cuda" else 4.3e12
     env = dict(date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               torch=torch.__version__, bandwidth_tbs=bandwidth / 1e12, argv=sys.argv[1:], fold_gqa=args.fold_gqa)
+               torch=torch.__version__, bandwidth_tbs=bandwidth / 1e12, argv=sys.argv[1:], fold_gqa=args.fold_gqa,
+               attention=args.attention)
     try:
         import transformers
         env["transformers"] = transformers.__version__

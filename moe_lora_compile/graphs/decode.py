@@ -165,13 +165,18 @@ class DecodeGraphs:
     (the step's mask makes SDPA copy the cache for ``repeat_kv``); prefill and ``mm.generate`` keep SDPA. Off by
     default for SDPA models: two matmuls and a softmax replace the copies and one fused SDPA kernel, not yet
     measured. ``fold_gqa=False`` (``"off"``) changes nothing.
+
+    ``attention="triton"`` runs the attention of every decode step (eager, folded or SDPA models) through the
+    flash-decoding Triton kernel ``moe_lora.decode_attention`` (one launch per layer, the cache blocks the mask hides
+    are never read; :mod:`moe_lora_compile.models.attention`); the prefill keeps the model's attention. Default
+    ``"default"``: the model's own (as ``fold_gqa`` sets it).
     """
 
     def __init__(self, mm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8), max_cache_len: int = 512,
                  num_speculative_tokens: int = 0, capture: Optional[bool] = None,
                  pad_token_id: Optional[int] = None, warmup: int = 2,
                  log: Optional[Callable[[str], None]] = print, compile=False, compile_prefill: bool = True,
-                 fold_gqa=True):
+                 fold_gqa=True, attention: str = "default"):
         from ..models.attach import MultiLoRAModel
 
         if not isinstance(mm, MultiLoRAModel):
@@ -196,9 +201,10 @@ class DecodeGraphs:
             raise ValueError(f"batch_sizes: {max_batch} x {q} tokens exceed mm.token_lora_ids "
                              f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
 
-        from ..models.attention import fold_gqa_mode, use_folded_gqa_attention
+        from ..models.attention import attention_mode, fold_gqa_mode, use_folded_gqa_attention
 
         self.fold_gqa = fold_gqa_mode(fold_gqa)
+        self.attention = attention_mode(attention)
         self.mm = mm
         if self.fold_gqa != "off":
             use_folded_gqa_attention(mm.model)
@@ -280,10 +286,11 @@ class DecodeGraphs:
     def _forward_step(self, batch: int) -> Tensor:
         """The step captured per bucket: static buffers in, logits ``[B, q, V]`` out. No host work on data."""
         kwargs = self._model_kwargs(batch, self._attention_mask[:batch], self._position_ids[:batch], self.query_len)
-        from ..models.attention import folded_gqa_decode  # fold_gqa="all": an SDPA model's step runs folded
+        from ..models.attention import decode_attention_steps, folded_gqa_decode
 
         with (self.mm.manual_token_lora_ids(), self._compile_limits(),
-              folded_gqa_decode(self.mm.model, enabled=self.fold_gqa == "all")):
+              folded_gqa_decode(self.mm.model, enabled=self.fold_gqa == "all"),  # an SDPA model's step runs folded
+              decode_attention_steps(self.mm.model, enabled=self.attention == "triton")):
             return self._decode_fn(self.mm.model, self._input_ids[:batch], **kwargs)
 
     def _compile_limits(self):

@@ -185,7 +185,9 @@ class RowGraphs:
     the most prompt tokens one :meth:`prefill` call takes (also bounded by ``mm.token_lora_ids``); ``capture``,
     ``compile``, ``compile_prefill``, ``fold_gqa``, ``pad_token_id``, ``warmup``, ``log``: as in
     :class:`~moe_lora_compile.graphs.DecodeGraphs` (``fold_gqa``: eager attention without ``repeat_kv`` copies of
-    the cache; it switches ``mm.model``'s attention implementation for good).
+    the cache; it switches ``mm.model``'s attention implementation for good). ``attention="triton"``: the steps'
+    attention runs the flash-decoding Triton kernel (``moe_lora.decode_attention``; prefill unchanged), as in
+    :class:`~moe_lora_compile.graphs.DecodeGraphs`.
 
     Low-level use (what :class:`~moe_lora_compile.serving.ServingEngine` does)::
 
@@ -199,9 +201,9 @@ class RowGraphs:
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
                  capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
                  fold_gqa: bool = True, pad_token_id: Optional[int] = None, warmup: int = 2,
-                 log: Optional[Callable[[str], None]] = print):
+                 log: Optional[Callable[[str], None]] = print, attention: str = "default"):
         from ..models.attach import MultiLoRAModel
-        from ..models.attention import use_folded_gqa_attention
+        from ..models.attention import attention_mode, use_folded_gqa_attention
 
         if not isinstance(mm, MultiLoRAModel):
             raise TypeError(f"mm must be a MultiLoRAModel (from moe_lora_compile.attach), got {type(mm).__name__}")
@@ -229,6 +231,7 @@ class RowGraphs:
         config = mm.model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         mask_spec(text_config, max_cache_len + 1, self.dtype)  # refuse what per-row masks cannot express first
+        self.attention = attention_mode(attention)
         if fold_gqa:
             use_folded_gqa_attention(mm.model)
         self.spec = mask_spec(text_config, max_cache_len + 1, self.dtype)
@@ -351,7 +354,10 @@ class RowGraphs:
         return logits[:num_rows, -1]
 
     def _forward_step(self, batch: int) -> Tensor:
-        with self.mm.manual_token_lora_ids(), self._compile_limits():
+        from ..models.attention import decode_attention_steps
+
+        with (self.mm.manual_token_lora_ids(), self._compile_limits(),
+              decode_attention_steps(self.mm.model, enabled=self.attention == "triton")):
             return self._step_fn(self.mm.model, self._tokens[:batch], self._positions[:batch], self._caches[batch],
                                  self.spec, self._cache_kw, self._step_extra)
 

@@ -14,6 +14,12 @@ way whenever it is given a mask on CUDA (``use_gqa_in_sdpa`` allows ``enable_gqa
 ``repeat_kv`` into copy kernels of the whole cache in front of the fused SDPA kernel. :func:`folded_gqa_decode`
 switches an ``"sdpa"`` model to :data:`FOLDED_GQA` only while inside (a ``DecodeGraphs`` decode step), so prefill and
 ``generate`` keep SDPA's fused kernels. :func:`fold_gqa_mode` reads ``DecodeGraphs``' ``fold_gqa`` argument.
+
+:func:`decode_attention_forward` (registered as :data:`DECODE_ATTENTION`, eager's additive mask) runs the
+flash-decoding Triton kernel ``moe_lora.decode_attention`` (:mod:`moe_lora_compile.ops.decode_attention`): one launch
+per layer that reads only the cache blocks the mask leaves visible. :func:`decode_attention_steps` switches an
+eager, folded or SDPA model to it only while inside (``DecodeGraphs`` / ``RowGraphs`` ``attention="triton"``: their
+decode steps), so prefill and ``generate`` keep their own attention.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from torch import Tensor
 
 FOLDED_GQA = "moe_lora_folded_gqa"
 FOLD_GQA_MODES = ("off", "eager", "all")  # off: nothing; eager: eager models for good; all: + SDPA models' decode
+DECODE_ATTENTION = "moe_lora_decode_attention"
+ATTENTION_MODES = ("default", "triton")  # decode steps: the model's (folded) attention, or the Triton kernel
 
 
 def folded_gqa_attention_forward(module, query: Tensor, key: Tensor, value: Tensor,
@@ -57,12 +65,33 @@ def folded_gqa_attention_forward(module, query: Tensor, key: Tensor, value: Tens
     return out.transpose(1, 2).contiguous(), probs
 
 
+def decode_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
+                             scaling: Optional[float] = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """query [B, H, S, D], key / value [B, Hkv, L, D] (the static cache), additive [B, 1, S, L] or boolean (True =
+    seen) mask or None -> (out [B, S, H, D], None): ``torch.ops.moe_lora.decode_attention`` with GPT-OSS's
+    ``module.sinks`` when the module has them. Where the op does not apply (training with dropout, or gradients
+    needed: it has no backward) the folded eager attention runs instead."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if needs_grad or (dropout and module.training) or value.shape[-1] != query.shape[-1]:
+        out, _ = folded_gqa_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        return out, None
+    from ..ops.decode_attention import decode_attention
+
+    mask = attention_mask
+    if mask is not None and mask.dtype == torch.bool:  # SDPA's masks (RowGraphs builds them for SDPA models)
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill_(
+            ~mask, torch.finfo(query.dtype).min)
+    return decode_attention(query, key, value, mask, scaling=scaling, sinks=getattr(module, "sinks", None)), None
+
+
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register(FOLDED_GQA, folded_gqa_attention_forward)
     AttentionMaskInterface.register(FOLDED_GQA, eager_mask)
+    AttentionInterface.register(DECODE_ATTENTION, decode_attention_forward)
+    AttentionMaskInterface.register(DECODE_ATTENTION, eager_mask)
 
 
 def use_folded_gqa_attention(model) -> bool:
@@ -103,3 +132,30 @@ def folded_gqa_decode(model, enabled: bool = True) -> Iterator[bool]:
         yield True
     finally:
         config._attn_implementation = "sdpa"
+
+
+def attention_mode(attention: str) -> str:
+    """``DecodeGraphs`` / ``RowGraphs``' ``attention`` argument, checked: one of :data:`ATTENTION_MODES`."""
+    if isinstance(attention, str) and attention in ATTENTION_MODES:
+        return attention
+    raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+
+
+@contextlib.contextmanager
+def decode_attention_steps(model, enabled: bool = True) -> Iterator[bool]:
+    """While inside: ``model`` on ``"eager"``, :data:`FOLDED_GQA` or ``"sdpa"`` attention runs
+    :func:`decode_attention_forward` (the Triton decode kernel) with eager's additive mask; its own implementation is
+    restored on exit. Yields whether it switched (False: disabled, or another implementation). As
+    :func:`folded_gqa_decode`: a step compiled inside runs the kernel, one compiled outside keeps the model's own;
+    not for a model that another thread runs at the same time."""
+    config = model.config
+    current = getattr(config, "_attn_implementation", None)
+    if not enabled or current not in ("eager", FOLDED_GQA, "sdpa"):
+        yield False
+        return
+    _register()
+    config._attn_implementation = DECODE_ATTENTION
+    try:
+        yield True
+    finally:
+        config._attn_implementation = current

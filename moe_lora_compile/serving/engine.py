@@ -140,10 +140,10 @@ class ServingEngine:
     ``store``: the :class:`AdapterStore` that adapter names resolve through (names loaded into ``mm`` directly work
     too, without paging); ``max_rows``: requests decoding at once; ``max_cache_len``: prompt + new tokens per request
     (a request needs ``len(prompt) + max_new_tokens - 1`` slots); ``batch_sizes``, ``prefill_chunk``, ``capture``,
-    ``compile``, ``compile_prefill``, ``fold_gqa``, ``log``: as in :class:`RowGraphs` (its graphs are captured
-    here); ``schedule``: ``"mixed"`` (any
-    adapters side by side) or ``"grouped"`` (one adapter at a time: requests of the adapter of the oldest waiting
-    request, until none of them is live; the baseline of a one-adapter server such as plain PEFT);
+    ``compile``, ``compile_prefill``, ``fold_gqa``, ``attention``, ``log``: as in :class:`RowGraphs` (its graphs are
+    captured here); ``schedule``: ``"mixed"`` (any adapters side by side) or ``"grouped"`` (one adapter at a time:
+    requests of the adapter of the oldest waiting request, until none of them is live; the baseline of a one-adapter
+    server such as plain PEFT);
     ``max_bypass``: see the module docstring (default ``max_rows``).
 
     Threads: :meth:`submit` is thread-safe; the steps run in one thread at a time: the caller's (iterating a handle,
@@ -154,7 +154,7 @@ class ServingEngine:
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
                  capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
                  fold_gqa: bool = True, schedule: str = "mixed", max_bypass: Optional[int] = None,
-                 log: Optional[Callable[[str], None]] = print):
+                 log: Optional[Callable[[str], None]] = print, attention: str = "default"):
         if store is not None and store.mm is not mm:
             raise ValueError("store: the AdapterStore serves another model (store.mm is not mm)")
         max_bypass = max_rows if max_bypass is None else max_bypass
@@ -164,7 +164,8 @@ class ServingEngine:
         self.schedule = schedule
         self.graphs = RowGraphs(mm, max_rows=max_rows, max_cache_len=max_cache_len, batch_sizes=batch_sizes,
                                 prefill_chunk=prefill_chunk, capture=capture, compile=compile,
-                                compile_prefill=compile_prefill, fold_gqa=fold_gqa, log=log).capture()
+                                compile_prefill=compile_prefill, fold_gqa=fold_gqa, log=log,
+                                attention=attention).capture()
         self.device = self.graphs.device
         self.vocab_size = mm.model.get_output_embeddings().weight.shape[0]
         eos = mm.model.generation_config.eos_token_id
