@@ -60,7 +60,7 @@ def lora_shrink_rows_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     r_mask = offs_r < R
-    a_mask = rank_mask(ranks_ptr, lora, offs_r, R, rank_block, rank_stride)[:, None]
+    a_mask = rank_mask(ranks_ptr, lora, offs_r, R, rank_block, rank_stride, True)[:, None]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = x_ptr + t.to(tl.int64) * stride_x + offs_k
@@ -124,7 +124,7 @@ def lora_linear_kernel(
     s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
     acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, offs_r[:, None] + offs_n[None, :] * stride_bn,
                         r_mask[:, None] & n_mask[None, :], ranks_ptr, R, rank_block, rank_stride, BLOCK_M, BLOCK_N,
-                        BLOCK_R, DOT_PRECISION)
+                        BLOCK_R, DOT_PRECISION, True)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
@@ -236,7 +236,7 @@ def lora_gemv_kernel(
             offs_r = tl.arange(0, BLOCK_R)
             slot = tl.where(has_lora, lora, 0)
             s_mask = has_lora[:, None] & rank_mask(ranks_ptr, slot[:, None], offs_r[None, :], R, rank_block,
-                                                   rank_stride)
+                                                   rank_stride, True)
             s_ptrs = s_ptr + offs_t.to(tl.int64)[:, None] * R + offs_r[None, :]
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
             for split in range(1, num_splits):

@@ -106,15 +106,21 @@ def _slot_range(lora, has_lora):
 
 
 @triton.jit
-def rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride):
-    """Which rank entries ``offs_r`` of slot ``slot`` (both int tensors, broadcastable) are read: ``r < R`` and, with
-    ``ranks_ptr`` (int [n, L] ranks, row ``j`` at ``j * rank_stride``; 0 to let one row serve every block), ``r %
-    rank_block < ranks[r // rank_block, slot]`` (a rank axis of equal blocks, each with its own leading entries: the
-    split gate/up form, fused sibling linears). ``ranks_ptr`` None: ``r < R`` (every slot at the padded rank)."""
+def rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK: tl.constexpr = False):
+    """Which rank entries ``offs_r`` of slot ``slot`` (int tensors, broadcastable) are read: ``r < R`` and, with
+    ``ranks_ptr``, ``r % rank_block < rank``: the rank axis in equal blocks of ``rank_block`` entries, each block using
+    its leading ``rank`` ones. ``rank``: ``ranks[slot]``, one scalar load (``slot`` a scalar; at most two blocks:
+    one, or the split gate/up form's halves); PER_BLOCK: ``ranks[r // rank_block, slot]``, a gather from int [n, L] ranks
+    with rows ``rank_stride`` apart (fused sibling linears: each member its own rank). ``ranks_ptr`` None: ``r < R``
+    (every slot at the padded rank)."""
     mask = offs_r < R
     if ranks_ptr is not None:
-        rank = tl.load(ranks_ptr + slot + (offs_r // rank_block) * rank_stride, mask=mask, other=0)
-        mask = mask & ((offs_r % rank_block) < rank)
+        if PER_BLOCK:
+            rank = tl.load(ranks_ptr + slot + (offs_r // rank_block) * rank_stride, mask=mask, other=0)
+            mask = mask & ((offs_r % rank_block) < rank)
+        else:  # at most two blocks (R = rank_block, or the split form's halves): no integer division
+            rank = tl.load(ranks_ptr + slot)
+            mask = mask & ((offs_r < rank) | ((offs_r >= rank_block) & (offs_r < rank_block + rank)))
     return mask
 
 
@@ -132,18 +138,20 @@ def _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK
 
 @triton.jit
 def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PER_BLOCK: tl.constexpr = False):
     """sum over slots l in the block of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N] fp32.
 
     s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N], ``b_mask``
-    its mask, narrowed per slot to the slot's rank (:func:`rank_mask`; ``R``, ``rank_block``, ``rank_stride``).
+    its mask, narrowed per slot to the slot's rank (:func:`rank_mask`; ``R``, ``rank_block``, ``rank_stride``,
+    PER_BLOCK).
     Each slot's product is kept only in its own rows (``tl.where`` on the result, as the shrink does): zeroing the
     other rows' ``s`` instead would still give ``0 * inf = NaN`` in them for a non-finite value in B[l]."""
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     slot, last = _slot_range(lora, has_lora)
     offs_r = tl.arange(0, BLOCK_R)
     while slot <= last:
-        in_rank = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride)
+        in_rank = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK)
         b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask & in_rank[:, None], other=0.0)
         part = tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
         delta += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
@@ -209,8 +217,8 @@ def lora_shrink_kernel(
 
     ZERO_COUNTERS: also zero ``counter [num_counters]`` int32, the arrival counters of the later kernels of the
     layer (w13 split-K, w2 top-k sum): the shrink is the first kernel of the chain, so no memset launch.
-    ``ranks_ptr``, ``rank_block``, ``rank_stride``: each slot's rank (:func:`rank_mask`); A's rows past it are not
-    read, their entries of s are 0."""
+    ``ranks_ptr``, ``rank_block``, ``rank_stride``: each slot's rank (:func:`rank_mask`, per block in DENSE mode);
+    A's rows past it are not read, their entries of s are 0."""
     grid_dependency_sync(USE_PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -246,7 +254,7 @@ def lora_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     while slot <= last:
         a_slot_ptr = a_ptr + slot.to(tl.int64) * stride_al + a_offs
-        a_mask = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride)[None, :]
+        a_mask = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, MODE == _DENSE)[None, :]
         part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
