@@ -2,8 +2,9 @@
 
 Keeps the original ``weight`` / ``bias`` parameters (same objects, same state-dict names) and adds slot buffers
 ``lora_a [L,R,in]``, ``lora_b [L,out,R]``, ``lora_ranks [L]`` int32 (each slot's rank: the kernels read no factor
-entry past it; ``R`` until :class:`~..adapters.slots.AdapterSlots` writes a slot) plus the two shared id buffers of the :class:`MultiLoRAModel`:
-``token_lora_ids`` (one slot per token of the forward, row-major over ``[B, S]``) and ``sequence_lora_ids`` (one
+entry past it; ``R`` until :class:`~..adapters.slots.AdapterSlots` writes a slot) plus the two shared id buffers
+of the :class:`MultiLoRAModel`: ``token_lora_ids`` (one slot per token of the forward, row-major over ``[B, S]``)
+and ``sequence_lora_ids`` (one
 slot per sequence of the batch).
 
 Which input row belongs to which sequence is read from the input's shape, never from adapter state:
@@ -25,8 +26,8 @@ summed), ``bias_fused [N]`` (or None), ``lora_a_fused [L, nR, in]`` (member ``i`
 ``iR:(i+1)R``), ``lora_ranks_fused [n, L]`` (member ``i``'s ranks in row ``i``) and ``lora_b_fused [L, N, nR]``,
 block-diagonal (the off-diagonal blocks are zero and are never
 written). Each member's ``weight`` / ``bias`` (the same Parameter objects, same state-dict names) and ``lora_a`` /
-``lora_b`` / ``lora_ranks`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes (in-place copies into
-``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
+``lora_b`` / ``lora_ranks`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes
+(in-place copies into ``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
 
 The leader's forward computes every member's output for its input ``x`` in one call and stashes ``(x, output)`` on
 each other member (a peer); a peer returns its stash when called with that very tensor (an identity check, which

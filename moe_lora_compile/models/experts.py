@@ -3,8 +3,9 @@
 Each experts module gets LoRA slot buffers (``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``,
 ``lora_b2 [L,E,H,R]``, in the weights' dtype), ``lora_ranks [2, L]`` int32 (each slot's w13 and w2 rank: the
 kernels read no factor entry past it; the max rank until :class:`~..adapters.slots.AdapterSlots` writes a slot) and
-the shared ``token_lora_ids`` buffer; forward reads ``token_lora_ids[:T]``. Decorated experts (``@use_experts_implementation``) are routed here through transformers'
-``ExpertsInterface`` under the name :data:`EXPERTS_IMPLEMENTATION`; Llama-4's MoE block is swapped for
+the shared ``token_lora_ids`` buffer; forward reads ``token_lora_ids[:T]``. Decorated experts
+(``@use_experts_implementation``) are routed here through transformers' ``ExpertsInterface`` under the name
+:data:`EXPERTS_IMPLEMENTATION`; Llama-4's MoE block is swapped for
 :class:`Llama4MoELoRABlock`.
 """
 

@@ -6,7 +6,8 @@ graph-break. Gradients flow to ``x``, ``topk_weights`` and the four LoRA stacks 
 ``moe_lora::fused_moe_lora_backward``, which recomputes the reference under autograd. Contract: :mod:`.contract`.
 
 The biases and ``lora_ranks`` (each slot's rank, :mod:`.contract`) are keyword arguments of :func:`fused_moe_lora`;
-in the op's schema they follow the core tensors as optional positional-or-keyword tensors, because ``torch.library`` cannot give kwarg-only tensors an autograd formula.
+in the op's schema they follow the core tensors as optional positional-or-keyword tensors, because
+``torch.library`` cannot give kwarg-only tensors an autograd formula.
 
 ``torch.ops.moe_lora.fused_moe_lora_out(out, x, ...)`` (``fused_moe_lora(..., out=out)``) is the ``out=`` form for
 serving: ``out [T, H]`` (x's dtype and device; first, as in vLLM's own ops, since ``torch.library`` takes no
@@ -82,7 +83,8 @@ def _fused_moe_lora_op(
 
 @_fused_moe_lora_op.register_kernel("cuda")
 def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                         w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
+                         w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu",
+                         alpha=GPTOSS_ALPHA,
                          limit=GPTOSS_LIMIT, routing_weight_on_input=False, lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
            w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device(),
@@ -96,7 +98,8 @@ def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lor
 
 @_fused_moe_lora_op.register_fake
 def _fused_moe_lora_fake(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                         w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
+                         w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu",
+                         alpha=GPTOSS_ALPHA,
                          limit=GPTOSS_LIMIT, routing_weight_on_input=False, lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
            w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split,

@@ -110,9 +110,9 @@ def rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK: tl
     """Which rank entries ``offs_r`` of slot ``slot`` (int tensors, broadcastable) are read: ``r < R`` and, with
     ``ranks_ptr``, ``r % rank_block < rank``: the rank axis in equal blocks of ``rank_block`` entries, each block using
     its leading ``rank`` ones. ``rank``: ``ranks[slot]``, one scalar load (``slot`` a scalar; at most two blocks:
-    one, or the split gate/up form's halves); PER_BLOCK: ``ranks[r // rank_block, slot]``, a gather from int [n, L] ranks
-    with rows ``rank_stride`` apart (fused sibling linears: each member its own rank). ``ranks_ptr`` None: ``r < R``
-    (every slot at the padded rank)."""
+    one, or the split gate/up form's halves); PER_BLOCK: ``ranks[r // rank_block, slot]``, a gather from int
+    [n, L] ranks with rows ``rank_stride`` apart (fused sibling linears: each member its own rank). ``ranks_ptr``
+    None: ``r < R`` (every slot at the padded rank)."""
     mask = offs_r < R
     if ranks_ptr is not None:
         if PER_BLOCK:
