@@ -28,6 +28,12 @@ experts: ``fused_moe_lora_mxfp4`` vs ``fused_moe_lora`` on the same weights in b
 
     python benchmarks/bench_fused_moe_lora.py --mxfp4 --json mxfp4.json --md mxfp4.md
 
+``--mixed-ranks`` instead times slots of rank 8/16/64 padded to ``max_rank`` 64 (L = 8) at T in {1, 8, 32}: with
+``lora_ranks`` (each slot read up to its rank) vs the same stacks all read at 64 (``lora_ranks=None``) vs every slot
+at rank 64, per model (``bench_mixed_ranks.py``):
+
+    python benchmarks/bench_fused_moe_lora.py --mixed-ranks --json ranks.json --md ranks.md
+
 Files: this script (the grid, its report and the targets against vLLM's numbers), ``moe_layer.py`` (the layer's
 weights, batches, baselines, bytes and CUDA-graph timing, shared), ``decode_ablation.py`` (the ablation).
 """
@@ -44,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from bench_mixed_ranks import mixed_ranks_grid, mixed_ranks_markdown
 from bench_mxfp4 import mxfp4_grid, mxfp4_markdown
 from decode_ablation import ablation_markdown, decode_ablation
 from moe_layer import (Layer, bytes_moved, fmt, lora_stacks, make_batch, make_layer, no_adapter, op_call, time_graph,
@@ -195,6 +202,8 @@ def main(argv=None):
     p.add_argument("--mxfp4", action="store_true",
                    help="GPT-OSS-20B with MXFP4 experts: MXFP4 vs bf16 vs the MXFP4 floor, T in {1, 8, 32, 128, "
                         "512} (or --tokens), L in --adapters, R in --ranks; about 3 minutes (--quick: 1 minute)")
+    p.add_argument("--mixed-ranks", action="store_true",
+                   help="slots of rank 8/16/64 in max_rank 64: lora_ranks vs padded vs uniform 64 (T 1, 8, 32)")
     p.add_argument("--json")
     p.add_argument("--md")
     a = p.parse_args(argv)
@@ -212,6 +221,24 @@ def main(argv=None):
 
         results = mxfp4_grid(tokens, adapters, ranks, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms, on_row=save_mxfp4)
         text = mxfp4_markdown(results) + "\n"
+        print(text)
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(text)
+        return
+    if a.mixed_ranks:
+        tokens = a.tokens or [1, 8, 32]
+        print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; mixed ranks "
+              f"{a.models} T={tokens}", flush=True)
+
+        def save_ranks(results):
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                               "triton": triton.__version__, "argv": sys.argv, "results": results}, f, indent=1)
+
+        results = mixed_ranks_grid(a.models, tokens, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms, on_row=save_ranks)
+        text = mixed_ranks_markdown(results) + "\n"
         print(text)
         if a.md:
             with open(a.md, "w") as f:

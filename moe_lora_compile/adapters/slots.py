@@ -5,7 +5,9 @@ The buffers live on the modules (experts: ``lora_a13 [L,E,R,H]``, ``lora_b13 [L,
 (``copy_`` / ``zero_``), never reassigned, so compiled graphs and captured CUDA graphs that hold them stay valid.
 Writing slot ``l`` of every module is all-or-nothing from the caller's view: the adapter is validated completely by
 the loader before :meth:`AdapterSlots.write` touches any buffer. A module the adapter does not target gets zeros in
-that slot; ranks below ``R`` are zero-padded.
+that slot; ranks below ``R`` are zero-padded, and each module's ``lora_ranks`` buffer (experts ``[2, L]``: w13, w2;
+dense ``[L]``) gets the slot's real rank (0 where the adapter has no weights, and on unload), so the kernels read
+only the adapter's own bytes. It is written in place too: a new rank recompiles nothing, and captured graphs see it.
 
 :class:`AdapterWeights` marks a host copy that is known good for these slots (parsed and validated by the PEFT loader,
 or checked by :meth:`AdapterSlots.validate`): ``{module name: ExpertsLoRA | LinearLoRA}`` in the slot buffers' dtypes.
@@ -30,6 +32,17 @@ def _copy_padded(dst: Tensor, src: Optional[Tensor], rank_dim: int, non_blocking
     dst.zero_()
     if src is not None:
         dst.narrow(rank_dim, 0, src.shape[rank_dim]).copy_(src, non_blocking=non_blocking)
+
+
+def _rank(a: Optional[Tensor], rank_dim: int) -> int:
+    return 0 if a is None else a.shape[rank_dim]
+
+
+def _set_rank(module: nn.Module, slot: int, ranks: tuple[int, ...]) -> None:
+    """``module.lora_ranks[..., slot] = ranks`` in place (experts: (w13, w2); dense: (rank,)), if it has them."""
+    buffer = getattr(module, "lora_ranks", None)
+    if buffer is not None:
+        buffer[..., slot].copy_(torch.tensor(ranks if buffer.dim() == 2 else ranks[0], dtype=buffer.dtype))
 
 
 class AdapterWeights(dict):
@@ -167,12 +180,14 @@ class AdapterSlots:
             _copy_padded(module.lora_b13[slot], lora.b13, rank_dim=2, non_blocking=nb)
             _copy_padded(module.lora_a2[slot], lora.a2, rank_dim=1, non_blocking=nb)
             _copy_padded(module.lora_b2[slot], lora.b2, rank_dim=2, non_blocking=nb)
+            _set_rank(module, slot, (_rank(lora.a13, 1), _rank(lora.a2, 1)))
         for module_name, module in self.linear_modules.items():
             lora = weights.get(module_name)
             _copy_padded(module.lora_a[slot], lora.a if isinstance(lora, LinearLoRA) else None, rank_dim=0,
                          non_blocking=nb)
             _copy_padded(module.lora_b[slot], lora.b if isinstance(lora, LinearLoRA) else None, rank_dim=1,
                          non_blocking=nb)
+            _set_rank(module, slot, (_rank(lora.a if isinstance(lora, LinearLoRA) else None, 0),))
         self._slot_of[name] = slot
 
     @torch.no_grad()
@@ -182,8 +197,10 @@ class AdapterSlots:
         for module in self.experts_modules.values():
             for buffer in _EXPERTS_BUFFERS:
                 getattr(module, buffer)[slot].zero_()
+            _set_rank(module, slot, (0, 0))
         for module in self.linear_modules.values():
             for buffer in _LINEAR_BUFFERS:
                 getattr(module, buffer)[slot].zero_()
+            _set_rank(module, slot, (0,))
         del self._slot_of[name]
         return slot

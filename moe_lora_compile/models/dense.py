@@ -1,8 +1,10 @@
 """Dense linear with per-token multi-LoRA: a drop-in for a target ``nn.Linear``.
 
 Keeps the original ``weight`` / ``bias`` parameters (same objects, same state-dict names) and adds slot buffers
-``lora_a [L,R,in]``, ``lora_b [L,out,R]`` plus the two shared id buffers of the :class:`MultiLoRAModel`:
-``token_lora_ids`` (one slot per token of the forward, row-major over ``[B, S]``) and ``sequence_lora_ids`` (one
+``lora_a [L,R,in]``, ``lora_b [L,out,R]``, ``lora_ranks [L]`` int32 (each slot's rank: the kernels read no factor
+entry past it; ``R`` until :class:`~..adapters.slots.AdapterSlots` writes a slot) plus the two shared id buffers
+of the :class:`MultiLoRAModel`: ``token_lora_ids`` (one slot per token of the forward, row-major over ``[B, S]``)
+and ``sequence_lora_ids`` (one
 slot per sequence of the batch).
 
 Which input row belongs to which sequence is read from the input's shape, never from adapter state:
@@ -21,10 +23,11 @@ order (as transformers 5.x calls them in every family we serve; the tests count 
 up_proj(x)``); DeepSeek MLA's ``q_a_proj`` (or ``q_proj``) and ``kv_a_proj_with_mqa``. The first member, the
 leader, holds the fused buffers (non-persistent): ``weight_fused [N, in]`` (``N`` = the members' out_features
 summed), ``bias_fused [N]`` (or None), ``lora_a_fused [L, nR, in]`` (member ``i``'s rank block rows
-``iR:(i+1)R``) and ``lora_b_fused [L, N, nR]``, block-diagonal (the off-diagonal blocks are zero and are never
+``iR:(i+1)R``), ``lora_ranks_fused [n, L]`` (member ``i``'s ranks in row ``i``) and ``lora_b_fused [L, N, nR]``,
+block-diagonal (the off-diagonal blocks are zero and are never
 written). Each member's ``weight`` / ``bias`` (the same Parameter objects, same state-dict names) and ``lora_a`` /
-``lora_b`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes (in-place copies into
-``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
+``lora_b`` / ``lora_ranks`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes
+(in-place copies into ``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
 
 The leader's forward computes every member's output for its input ``x`` in one call and stashes ``(x, output)`` on
 each other member (a peer); a peer returns its stash when called with that very tensor (an identity check, which
@@ -77,6 +80,8 @@ class LoRALinear(nn.Module):
         like = dict(dtype=base.weight.dtype, device=base.weight.device)
         self.register_buffer("lora_a", torch.zeros(max_loras, max_rank, self.in_features, **like), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, max_rank, **like), persistent=False)
+        self.register_buffer("lora_ranks", torch.full((max_loras,), max_rank, dtype=torch.int32,
+                                                      device=base.weight.device), persistent=False)
         self.register_buffer("token_lora_ids", token_lora_ids, persistent=False)
         self.register_buffer("sequence_lora_ids", sequence_lora_ids, persistent=False)
         self.use_ops = use_ops
@@ -103,18 +108,20 @@ class LoRALinear(nn.Module):
                 return stash[1]
         if self._fused_peers is not None:
             return self._forward_fused(x)
-        y = self._lora_linear(x, self.weight, self.lora_a, self.lora_b, self.bias)
+        y = self._lora_linear(x, self.weight, self.lora_a, self.lora_b, self.bias, self.lora_ranks)
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _lora_linear(self, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, bias) -> Tensor:
+    def _lora_linear(self, x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, bias, lora_ranks) -> Tensor:
         """``x [..., in]`` -> ``[rows, out]``: the op (or the reference, per ``use_ops``), each row on its slot."""
         token_lora_ids = rows_lora_ids(x, self.token_lora_ids, self.sequence_lora_ids)
         fn = torch.ops.moe_lora.lora_linear if self.use_ops else lora_linear_reference
-        return fn(x.reshape(-1, self.in_features), weight, lora_a, lora_b, token_lora_ids, bias=bias)
+        return fn(x.reshape(-1, self.in_features), weight, lora_a, lora_b, token_lora_ids, bias=bias,
+                  lora_ranks=lora_ranks)
 
     def _forward_fused(self, x: Tensor) -> Tensor:
         """Our output; each peer's (for the same input) stashed on it for its own call."""
-        y = self._lora_linear(x, self.weight_fused, self.lora_a_fused, self.lora_b_fused, self.bias_fused)
+        y = self._lora_linear(x, self.weight_fused, self.lora_a_fused, self.lora_b_fused, self.bias_fused,
+                              self.lora_ranks_fused)
         own, *others = (part.reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self._fused_sizes, dim=-1))
         for peer, out in zip(self._fused_peers, others):
             peer._fused_stash = (x, out)
@@ -171,6 +178,7 @@ def fuse_siblings(members: Sequence[LoRALinear]) -> None:
     leader.register_buffer("bias_fused", bias, persistent=False)
     leader.register_buffer("lora_a_fused", torch.cat([m.lora_a for m in members], dim=1), persistent=False)
     leader.register_buffer("lora_b_fused", lora_b, persistent=False)
+    leader.register_buffer("lora_ranks_fused", torch.stack([m.lora_ranks for m in members]), persistent=False)
     leader._fused_sizes = sizes
     leader._fused_peers = tuple(members[1:])
     for peer in members[1:]:
@@ -197,6 +205,7 @@ def point_fused_views(leader: LoRALinear) -> None:
             m.bias.data = leader.bias_fused[row:row + size]
         m.lora_a = leader.lora_a_fused[:, i * R:(i + 1) * R]
         m.lora_b = leader.lora_b_fused[:, row:row + size, i * R:(i + 1) * R]
+        m.lora_ranks = leader.lora_ranks_fused[i]
         row += size
 
 
@@ -210,4 +219,5 @@ def fused_views_intact(leader: LoRALinear) -> bool:
 
     return all(same(m.weight, leader.weight_fused) and same(m.bias, leader.bias_fused)
                and same(m.lora_a, leader.lora_a_fused) and same(m.lora_b, leader.lora_b_fused)
+               and same(m.lora_ranks, leader.lora_ranks_fused)
                for m in fused_members(leader))

@@ -1,9 +1,11 @@
 """Our experts implementation: transformers' fused experts routed through the multi-LoRA MoE reference (or op).
 
 Each experts module gets LoRA slot buffers (``lora_a13 [L,E,R,H]``, ``lora_b13 [L,E,2I,R]``, ``lora_a2 [L,E,R,I]``,
-``lora_b2 [L,E,H,R]``, in the weights' dtype) and the shared ``token_lora_ids`` buffer; forward reads
-``token_lora_ids[:T]``. Decorated experts (``@use_experts_implementation``) are routed here through transformers'
-``ExpertsInterface`` under the name :data:`EXPERTS_IMPLEMENTATION`; Llama-4's MoE block is swapped for
+``lora_b2 [L,E,H,R]``, in the weights' dtype), ``lora_ranks [2, L]`` int32 (each slot's w13 and w2 rank: the
+kernels read no factor entry past it; the max rank until :class:`~..adapters.slots.AdapterSlots` writes a slot) and
+the shared ``token_lora_ids`` buffer; forward reads ``token_lora_ids[:T]``. Decorated experts
+(``@use_experts_implementation``) are routed here through transformers' ``ExpertsInterface`` under the name
+:data:`EXPERTS_IMPLEMENTATION`; Llama-4's MoE block is swapped for
 :class:`Llama4MoELoRABlock`.
 """
 
@@ -47,6 +49,8 @@ def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routin
     experts.register_buffer("lora_b13", torch.zeros(max_loras, E, 2 * I, max_rank, **like), persistent=False)
     experts.register_buffer("lora_a2", torch.zeros(max_loras, E, max_rank, I, **like), persistent=False)
     experts.register_buffer("lora_b2", torch.zeros(max_loras, E, H, max_rank, **like), persistent=False)
+    experts.register_buffer("lora_ranks", torch.full((2, max_loras), max_rank, dtype=torch.int32, device=weight.device),
+                            persistent=False)
     experts.register_buffer("token_lora_ids", token_lora_ids, persistent=False)
     experts.moe_lora_layout = layout
     experts.moe_lora_activation = activation
@@ -73,7 +77,7 @@ def moe_lora_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index
         hidden_states, top_k_index, top_k_weights, token_lora_ids, self.gate_up_proj, self.down_proj,
         self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2, w13_bias=w13_bias, w2_bias=w2_bias,
         layout=self.moe_lora_layout, activation=self.moe_lora_activation, alpha=alpha,
-        limit=limit, routing_weight_on_input=self.moe_lora_routing_on_input,
+        limit=limit, routing_weight_on_input=self.moe_lora_routing_on_input, lora_ranks=self.lora_ranks,
     )
 
 

@@ -15,6 +15,15 @@ Split gate/up form (``lora_b13_split=True``, vLLM's 2-D MoE LoRA with gate and u
 is chosen by that flag alone, never guessed from shapes: a B13 whose rank does not fit the flag is a ValueError.
 An ``out=`` form (:func:`check_out_arg`) writes ``y`` into a caller's ``[T, H]`` tensor.
 
+Per-slot rank (``lora_ranks``, optional, int; data, never a guard): the slot buffers are padded to the rank ``R`` of
+the stacks, and slot ``l`` uses only its first ``rank`` entries of the rank axis: the others are never read (the
+kernels mask them off, so their bytes are not moved; the reference drops them, whatever they hold). ``fused_moe_lora``
+takes ``[2, L]``: row 0 the w13 rank of each slot (in the split gate/up form the rank of each half: gate entries
+``[0, rank)``, up entries ``[R/2, R/2 + rank)``), row 1 the w2 rank; values in ``[0, R]`` / ``[0, R2]``.
+``lora_linear`` takes ``[L]``, or ``[n, L]`` for a rank axis made of ``n`` equal blocks of ``R/n`` (fused sibling
+linears, block ``j`` = member ``j``), block ``j`` of slot ``l`` using its first ``lora_ranks[j, l]`` entries.
+``None`` (the default): every slot at the full padded rank. Rank 0 = the slot adds nothing.
+
 The checks below look only at shapes, dtypes and devices, so they run unchanged in the fake (meta) impl under
 symbolic shapes; value checks (ids in range) need data and live in :func:`check_index_values`.
 """
@@ -155,6 +164,45 @@ def check_fused_moe_lora_args(
     for name, t in named:
         if t is not None:
             _expect_device(name, t, x)
+
+
+def check_lora_ranks(lora_ranks, rows: int, L, R, x, *, what: str) -> None:
+    """``lora_ranks`` (or None): int32/int64 ``[rows, L]`` (``rows`` 0: ``[L]``; -1: ``[L]`` or ``[n, L]`` with n
+    dividing ``R``), on x's device; ``what`` names the shape in the message. Values are data: see
+    :func:`check_rank_values`."""
+    if lora_ranks is None:
+        return
+    _expect_dtype("lora_ranks", lora_ranks, _INDEX_DTYPES, "int32 or int64 (each slot's LoRA rank)")
+    if rows == -1:
+        if lora_ranks.dim() not in (1, 2):
+            raise ValueError(f"lora_ranks must be {what}, got shape {_shape(lora_ranks)}")
+        if lora_ranks.dim() == 2:
+            n = lora_ranks.shape[0]
+            torch._check_value(n >= 1 and R % n == 0, lambda: f"lora_ranks must be {what}: its {n} rank blocks "
+                               f"must split the rank axis R = {R} evenly; got {_shape(lora_ranks)}")
+    else:
+        _expect_rank("lora_ranks", lora_ranks, 2 if rows else 1, what)
+        if rows:
+            _expect_dim("lora_ranks", lora_ranks, 0, rows, what)
+    _expect_dim("lora_ranks", lora_ranks, lora_ranks.dim() - 1, L, f"{what} with L = {L} slots")
+    _expect_device("lora_ranks", lora_ranks, x)
+
+
+def check_rank_values(lora_ranks, highs) -> None:
+    """Data check of ``lora_ranks`` (or None): row ``i`` (a 1-D tensor: the only row) in ``[0, highs[i]]``, the
+    entries of one rank block (CPU: ValueError; CUDA: a device assert, as :func:`check_index_values`)."""
+    if lora_ranks is None:
+        return
+    rows = lora_ranks if lora_ranks.dim() == 2 else lora_ranks.unsqueeze(0)
+    for i, row in enumerate(rows):
+        high = highs[min(i, len(highs) - 1)]
+        if row.numel() and row.device.type == "cpu":
+            lo, hi = int(row.min()), int(row.max())
+            if lo < 0 or hi > high:
+                raise ValueError(f"lora_ranks row {i} must lie in [0, {high}] (a slot's rank, at most the padded rank "
+                                 f"of its block); got min {lo}, max {hi}")
+        else:
+            check_index_values(f"lora_ranks row {i} (in [0, {high}])", row, 0, high + 1)
 
 
 def _check_lora_b13(lora_b13, L, E, I, R, split: bool) -> None:

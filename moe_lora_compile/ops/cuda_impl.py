@@ -44,10 +44,10 @@ def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora
     return y if out is None else out.copy_(y)
 
 
-def lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, *, bias=None):
+def lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, *, bias=None, lora_ranks=None):
     """Same signature and result as :func:`.reference.lora_linear_reference`; y [T, out] in x.dtype."""
     if _kernel_covers(x, weight, lora_a, lora_b, bias):
         from .triton.launch import lora_linear_triton
 
-        return lora_linear_triton(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)
-    return lora_linear_reference(x, weight, lora_a, lora_b, token_lora_ids, bias=bias)
+        return lora_linear_triton(x, weight, lora_a, lora_b, token_lora_ids, bias=bias, lora_ranks=lora_ranks)
+    return lora_linear_reference(x, weight, lora_a, lora_b, token_lora_ids, bias=bias, lora_ranks=lora_ranks)

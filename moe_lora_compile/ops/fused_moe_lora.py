@@ -5,8 +5,9 @@ CPU runs the reference (:mod:`.reference`); CUDA runs :mod:`.cuda_impl` (Triton)
 graph-break. Gradients flow to ``x``, ``topk_weights`` and the four LoRA stacks (base weights are frozen) through
 ``moe_lora::fused_moe_lora_backward``, which recomputes the reference under autograd. Contract: :mod:`.contract`.
 
-The biases are keyword arguments of :func:`fused_moe_lora`; in the op's schema they follow the core tensors as
-optional positional-or-keyword tensors, because ``torch.library`` cannot give kwarg-only tensors an autograd formula.
+The biases and ``lora_ranks`` (each slot's rank, :mod:`.contract`) are keyword arguments of :func:`fused_moe_lora`;
+in the op's schema they follow the core tensors as optional positional-or-keyword tensors, because
+``torch.library`` cannot give kwarg-only tensors an autograd formula.
 
 ``torch.ops.moe_lora.fused_moe_lora_out(out, x, ...)`` (``fused_moe_lora(..., out=out)``) is the ``out=`` form for
 serving: ``out [T, H]`` (x's dtype and device; first, as in vLLM's own ops, since ``torch.library`` takes no
@@ -23,25 +24,29 @@ from torch import Tensor
 
 from . import cuda_impl
 from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_args, check_index_values,
-                       check_out_arg)
+                       check_lora_ranks, check_out_arg, check_rank_values)
 from .layout import CONCAT
 from .reference import fused_moe_lora_reference
 from .autograd import frozen_input_error, recompute_grads
 
 CORE_ARGS = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2",
-             "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias")
+             "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias", "lora_ranks")
 # Inputs that receive gradients (positions in CORE_ARGS); the rest are indices or frozen base weights.
 _GRAD_POSITIONS = (0, 2, 6, 7, 8, 9)
 _FROZEN_POSITIONS = (4, 5, 10, 11)
 
 
 def _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values: bool, lora_b13_split: bool = False) -> None:
+           w13_bias, w2_bias, layout, activation, values: bool, lora_b13_split: bool = False,
+           lora_ranks: Optional[Tensor] = None) -> None:
     check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
                               lora_b2, w13_bias, w2_bias, layout, activation, lora_b13_split)
+    check_lora_ranks(lora_ranks, 2, lora_a13.shape[0], lora_a13.shape[2], x, what="[2, L] (w13 and w2 rank per slot)")
     if values:
         check_index_values("topk_ids", topk_ids, 0, w13.shape[0])
         check_index_values("token_lora_ids", token_lora_ids, NO_ADAPTER, lora_a13.shape[0])
+        R = lora_a13.shape[2]
+        check_rank_values(lora_ranks, (R // 2 if lora_b13_split else R, lora_a2.shape[2]))
 
 
 @torch.library.custom_op("moe_lora::fused_moe_lora", mutates_args=())
@@ -58,6 +63,7 @@ def _fused_moe_lora_op(
     lora_b2: Tensor,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
     *,
     layout: str = CONCAT,
     activation: str = "silu",
@@ -67,34 +73,37 @@ def _fused_moe_lora_op(
     lora_b13_split: bool = False,
 ) -> Tensor:
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split)
+           w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split, lora_ranks=lora_ranks)
     return fused_moe_lora_reference(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, lora_ranks=lora_ranks,
     )
 
 
 @_fused_moe_lora_op.register_kernel("cuda")
 def _fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                         w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
+                         w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu",
+                         alpha=GPTOSS_ALPHA,
                          limit=GPTOSS_LIMIT, routing_weight_on_input=False, lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
            w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device(),
-           lora_b13_split=lora_b13_split)
+           lora_b13_split=lora_b13_split, lora_ranks=lora_ranks)
     return cuda_impl.fused_moe_lora_cuda(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, lora_ranks=lora_ranks,
     )
 
 
 @_fused_moe_lora_op.register_fake
 def _fused_moe_lora_fake(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-                         w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu", alpha=GPTOSS_ALPHA,
+                         w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu",
+                         alpha=GPTOSS_ALPHA,
                          limit=GPTOSS_LIMIT, routing_weight_on_input=False, lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split)
+           w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split,
+           lora_ranks=lora_ranks)
     return x.new_empty(x.shape)
 
 
@@ -113,6 +122,7 @@ def _fused_moe_lora_backward_op(
     lora_b2: Tensor,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
     *,
     layout: str = CONCAT,
     activation: str = "silu",
@@ -124,7 +134,8 @@ def _fused_moe_lora_backward_op(
     """Grads of ``fused_moe_lora`` w.r.t. (x, topk_weights, lora_a13, lora_b13, lora_a2, lora_b2)."""
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
-                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split)
+                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
+                  lora_ranks=lora_ranks)
     return recompute_grads(fused_moe_lora_reference, grad_y, args, kwargs, _GRAD_POSITIONS)
 
 
@@ -167,6 +178,7 @@ def _fused_moe_lora_out_op(
     lora_b2: Tensor,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
     *,
     layout: str = CONCAT,
     activation: str = "silu",
@@ -176,38 +188,41 @@ def _fused_moe_lora_out_op(
     lora_b13_split: bool = False,
 ) -> None:
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split)
+           w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split,
+           lora_ranks=lora_ranks)
     check_out_arg(out, x)
     out.copy_(fused_moe_lora_reference(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, lora_ranks=lora_ranks,
     ))
 
 
 @_fused_moe_lora_out_op.register_kernel("cuda")
 def _fused_moe_lora_out_cuda(out, x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
-                             lora_b2, w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu",
+                             lora_b2, w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu",
                              alpha=GPTOSS_ALPHA, limit=GPTOSS_LIMIT, routing_weight_on_input=False,
                              lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
            w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device(),
-           lora_b13_split=lora_b13_split)
+           lora_b13_split=lora_b13_split, lora_ranks=lora_ranks)
     check_out_arg(out, x)
     cuda_impl.fused_moe_lora_cuda(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, out=out,
+        routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, lora_ranks=lora_ranks,
+        out=out,
     )
 
 
 @_fused_moe_lora_out_op.register_fake
 def _fused_moe_lora_out_fake(out, x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
-                             lora_b2, w13_bias=None, w2_bias=None, *, layout=CONCAT, activation="silu",
+                             lora_b2, w13_bias=None, w2_bias=None, lora_ranks=None, *, layout=CONCAT, activation="silu",
                              alpha=GPTOSS_ALPHA, limit=GPTOSS_LIMIT, routing_weight_on_input=False,
                              lora_b13_split=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-           w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split)
+           w13_bias, w2_bias, layout, activation, values=False, lora_b13_split=lora_b13_split,
+           lora_ranks=lora_ranks)
     check_out_arg(out, x)
 
 
@@ -231,6 +246,7 @@ def fused_moe_lora(
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
     lora_b13_split: bool = False,
+    lora_ranks: Optional[Tensor] = None,
     out: Optional[Tensor] = None,
 ) -> Tensor:
     """One MoE layer, each token's LoRA delta from its own adapter slot: ``torch.ops.moe_lora.fused_moe_lora``.
@@ -238,11 +254,13 @@ def fused_moe_lora(
     x [T,H]; topk_ids [T,k] int; topk_weights [T,k]; token_lora_ids [T] int (-1 = base only); w13/w2 in
     ``layout`` (see :mod:`.layout`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R] (``lora_b13_split``: [L,E,2I,R/2],
     gate rows on ranks [0,R/2), up rows on [R/2,R)), lora_a2 [L,E,R2,I], lora_b2 [L,E,H,R2] (scaling folded into
-    B). Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype and device) ``y`` is written
+    B); lora_ranks [2, L] int or None: each slot's w13 and w2 rank (entries past it are never read; None = all R).
+    Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype and device) ``y`` is written
     there and ``out`` returned (``torch.ops.moe_lora.fused_moe_lora_out``, inference only: no autograd).
     """
-    kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
-                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split)
+    kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, lora_ranks=lora_ranks, layout=layout, activation=activation,
+                  alpha=alpha, limit=limit, routing_weight_on_input=routing_weight_on_input,
+                  lora_b13_split=lora_b13_split)
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
     if out is None:
         return torch.ops.moe_lora.fused_moe_lora(*args, **kwargs)

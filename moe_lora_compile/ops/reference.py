@@ -4,6 +4,8 @@ Static shapes, fp32 accumulation, no ``.item()`` and no data-dependent Python co
 CPU and CUDA and traces under ``torch.compile``. "No adapter" (``token_lora_ids == -1``) is data, never a branch.
 A row's LoRA delta is *selected* (``torch.where``, gathers), never multiplied by a 0/1 mask, so a non-finite value
 in a slot the row does not use cannot reach it (``0 * inf`` is NaN), and ``-1`` rows get exactly the base result.
+Per-slot ranks (``lora_ranks``): each slot's factor entries past its rank are dropped (``where``, so whatever the
+padding holds, NaN included, never reaches a result), as the kernels never read them.
 Layouts: :mod:`moe_lora_compile.ops.layout`; argument meanings: :mod:`moe_lora_compile.ops.contract`.
 """
 
@@ -27,19 +29,36 @@ def glu_activation(gate: Tensor, up: Tensor, activation: str, alpha: float, limi
     return (up + 1) * gate * torch.sigmoid(gate * alpha)
 
 
+def rank_keep(lora_ranks: Optional[Tensor], R: int, block: int) -> Optional[Tensor]:
+    """[L, R] bool: the rank entries each slot uses, or None (all). ``lora_ranks`` [L] or [n, L]: the rank axis in
+    blocks of ``block`` entries, entry ``r`` of slot ``l`` kept when ``r % block < lora_ranks[r // block, l]`` (a
+    1-D ``lora_ranks`` serves every block)."""
+    if lora_ranks is None:
+        return None
+    ranks = (lora_ranks if lora_ranks.dim() == 2 else lora_ranks.unsqueeze(0)).long()  # [n, L]
+    r = torch.arange(R, device=lora_ranks.device)
+    block_rank = ranks[(r // block).clamp(max=ranks.shape[0] - 1)]  # [R, L]
+    return ((r % block).unsqueeze(1) < block_rank).t()
+
+
 def _pair_lora(xp: Tensor, a: Tensor, b: Tensor, lora_ids: Tensor, experts: Tensor,
-               split_layout: Optional[str] = None) -> Tensor:
+               split_layout: Optional[str] = None, keep: Optional[Tensor] = None) -> Tensor:
     """Per (token, k) pair LoRA delta ``B[l,e] @ (A[l,e] @ x)``, exactly zero where ``l == -1``.
 
     xp [P, in] fp32; a [L, E, R, in]; b [L, E, out, R]; lora_ids/experts [P] int64 -> [P, out] fp32.
     Each pair gathers its own slot's factors (``-1`` pairs read slot 0, then ``where`` drops the result).
     ``split_layout``: b is the split gate/up form ``[L, E, 2I, R/2]`` (see :mod:`.contract`), its gate/up rows in
     that layout's order: gate rows times rank entries ``[0, R/2)``, up rows times ``[R/2, R)``.
+    ``keep`` ([L, R] bool, :func:`rank_keep`): the rank entries each slot uses (None: all).
     """
     has_lora = lora_ids >= 0
     slot = lora_ids.clamp(min=0)
     a_p = a[slot, experts].to(xp.dtype)  # [P, R, in]
     b_p = b[slot, experts].to(xp.dtype)  # [P, out, R] (split: [P, 2I, R/2])
+    if keep is not None:  # split form: both halves keep the same entries, B's R/2 columns are either half's
+        keep_p = keep[slot]  # [P, R]
+        a_p = torch.where(keep_p.unsqueeze(-1), a_p, 0.0)
+        b_p = torch.where(keep_p[:, : b_p.shape[-1]].unsqueeze(1), b_p, 0.0)
     shrunk = torch.bmm(a_p, xp.unsqueeze(-1))  # [P, R, 1]
     if split_layout is None:
         delta = torch.bmm(b_p, shrunk)
@@ -79,13 +98,15 @@ def fused_moe_lora_reference(
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
     lora_b13_split: bool = False,
+    lora_ranks: Optional[Tensor] = None,
 ) -> Tensor:
     """One MoE layer with per-token multi-LoRA. Returns ``y [T, H]`` in ``x.dtype``.
 
     ``y[t] = sum_j w[t,j] * down_e(act(gate_up_e(x[t])))`` with ``e = topk_ids[t,j]``; every projection adds
     ``B[l,e] A[l,e] x`` for ``l = token_lora_ids[t]`` (nothing when ``l == -1``). With ``routing_weight_on_input``
     (Llama-4) the weight scales the expert's input instead of its output. ``lora_b13_split``: ``lora_b13`` is
-    ``[L, E, 2I, R/2]``, the split gate/up form of :mod:`.contract`.
+    ``[L, E, 2I, R/2]``, the split gate/up form of :mod:`.contract`. ``lora_ranks`` [2, L] (w13, w2) or None: each
+    slot's rank (see :mod:`.contract`).
     """
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -99,14 +120,18 @@ def fused_moe_lora_reference(
     if routing_weight_on_input:
         xp = xp * weights
 
+    R, R2 = lora_a13.shape[2], lora_a2.shape[2]
+    keep13 = None if lora_ranks is None else rank_keep(lora_ranks[0], R, R // 2 if lora_b13_split else R)
+    keep2 = None if lora_ranks is None else rank_keep(lora_ranks[1], R2, R2)
     h = _pair_matmul(xp, w13, experts, transposed) + _pair_lora(xp, lora_a13, lora_b13, lora_ids, experts,
-                                                                  layout if lora_b13_split else None)
+                                                                  layout if lora_b13_split else None, keep13)
     if w13_bias is not None:
         h = h + w13_bias[experts].to(acc)
     gate, up = split_gate_up(h, layout)
     act = glu_activation(gate, up, activation, alpha, limit)  # [P, I]
 
-    out = _pair_matmul(act, w2, experts, transposed) + _pair_lora(act, lora_a2, lora_b2, lora_ids, experts)
+    out = _pair_matmul(act, w2, experts, transposed) + _pair_lora(act, lora_a2, lora_b2, lora_ids, experts,
+                                                                      keep=keep2)
     if w2_bias is not None:
         out = out + w2_bias[experts].to(acc)
     if not routing_weight_on_input:
@@ -122,6 +147,7 @@ def lora_linear_reference(
     token_lora_ids: Tensor,
     *,
     bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
 ) -> Tensor:
     """``y = x @ weight^T (+ bias) + B[l] A[l] x`` per token, ``l = token_lora_ids[t]`` (-1 = none).
 
@@ -130,9 +156,15 @@ def lora_linear_reference(
     non-finite value from another slot's A is dropped, not multiplied by 0) and one expand over the ``[L*R]`` axis
     (no per-token gather of B). Non-finite entries of B are zeroed for that expand, where the other tokens' zeros
     meet them; a token whose own slot's B has one gets NaN instead (``poison``), as a per-slot loop would.
+    ``lora_ranks`` [L] or [n, L] (n rank blocks) or None: each slot's rank (see :mod:`.contract`); entries past it
+    are dropped first (so they can poison nothing).
     """
     acc = torch.float32 if x.dtype != torch.float64 else torch.float64
     L, R, n_in = lora_a.shape
+    if lora_ranks is not None:
+        keep = rank_keep(lora_ranks, R, R // (lora_ranks.shape[0] if lora_ranks.dim() == 2 else 1))  # [L, R]
+        lora_a = torch.where(keep.unsqueeze(-1), lora_a, 0.0)
+        lora_b = torch.where(keep.unsqueeze(1), lora_b, 0.0)
     xf = x.to(acc)
     y = xf @ weight.to(acc).t()
     if bias is not None:

@@ -314,7 +314,10 @@ def test_unload_zeroes_the_slot_and_frees_it(mm, adapters):
     mm.unload_adapter("x")
     assert mm.adapters == {"y": 1}
     for module in list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values()):
-        assert all(not buf[0].any() for name, buf in module.named_buffers(recurse=False) if name not in ("token_lora_ids", "sequence_lora_ids"))
+        # slot buffers are slot-major ([L, ...]); the ranks put the slot last ([L], [2, L], fused [n, L])
+        assert all(not (buf[..., 0] if name.startswith("lora_ranks") else buf[0]).any()
+                   for name, buf in module.named_buffers(recurse=False)
+                   if name not in ("token_lora_ids", "sequence_lora_ids"))
     with pytest.raises(KeyError, match="unknown adapter 'x'"):
         mm(ids, adapters=["x"])
     assert mm.load_adapter("z", adapters["paths"]["x"]) == 0
@@ -387,3 +390,40 @@ def test_own_family_does_not_warn(adapters):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mm.load_adapter("x", adapters["paths"]["x"])
+
+
+def test_slots_hold_each_adapters_rank(adapters, tmp_path):
+    """Loading writes each module's real rank per slot (experts: w13 and w2; dense; rank_pattern per module, 0
+    where the adapter has no weights), unloading writes 0; the padding past a slot's rank is never read: NaN there
+    leaves the model's output on PEFT's."""
+    torch.manual_seed(5)
+    peft_model = get_peft_model(copy.deepcopy(adapters["base"]),
+                                tiny_lora_config(FAMILY, r=4, rank_pattern={"o_proj": 2})).eval()
+    randomize_lora_(peft_model, seed=9)
+    peft_model.save_pretrained(tmp_path / "patterned")
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=3, max_rank=8)
+    mm.load_adapter("y", adapters["paths"]["y"])  # rank 2, slot 0
+    mm.load_adapter("p", tmp_path / "patterned")  # rank 4, o_proj 2, slot 1
+    for name, module in mm.slots.experts_modules.items():
+        assert module.lora_ranks[:, :2].tolist() == [[2, 4], [2, 4]], name
+    targeted = 0
+    for name, module in mm.slots.linear_modules.items():
+        leaf = name.rpartition(".")[2]
+        want = [2, 2 if leaf == "o_proj" else 4] if leaf in ("q_proj", "v_proj", "o_proj") else [0, 0]
+        targeted += leaf in ("q_proj", "v_proj", "o_proj")
+        assert module.lora_ranks[:2].tolist() == want, name
+    assert targeted
+    for module in list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values()):
+        with torch.no_grad():
+            for buf, rank_dim in (("lora_a13", 1), ("lora_b13", 2), ("lora_a2", 1), ("lora_b2", 2), ("lora_a", 0),
+                                  ("lora_b", 1)):
+                if hasattr(module, buf):
+                    slot = getattr(module, buf)[1]
+                    rank = int(module.lora_ranks[..., 1].max())
+                    slot.narrow(rank_dim, rank, slot.shape[rank_dim] - rank).fill_(float("nan"))
+    ids = torch.randint(3, 128, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(mm(ids, adapters=["p"]).logits, peft_model(ids).logits, rtol=1e-4, atol=1e-4)
+    mm.unload_adapter("p")
+    for module in list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values()):
+        assert not module.lora_ranks[..., 1].any()

@@ -82,14 +82,16 @@ def _k_split(K_dim: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
 
 def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_k, mode, block_m,
                    input_by_token, scale_by_weight, cfg, dtype, launch, counters=None, pair_row=None,
-                   per_pair_shrink=False):
+                   per_pair_shrink=False, ranks=None, rank_block=1, rank_stride=0):
     """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten).
 
     ``meta``: ``(row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m)``; what ``mode`` does not read
     may be None. ``topk_weights``: read only with ``scale_by_weight``. ``cfg``: :class:`.configs.ShrinkConfig`
     (or its dict form). ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it).
     ``per_pair_shrink`` (SORTED with ``pair_row``, or PER_PAIR mode): one program per pair
-    (:func:`.moe_kernels.lora_shrink_pairs_kernel`), same rows written; else one per row block."""
+    (:func:`.moe_kernels.lora_shrink_pairs_kernel`), same rows written; else one per row block. ``ranks``,
+    ``rank_block``, ``rank_stride``: each slot's rank (:func:`.moe_kernels.rank_mask`; ranks None: all R)."""
+    rank_args = dict(ranks_ptr=ranks, rank_block=rank_block, rank_stride=rank_stride)
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
     cfg = ShrinkConfig.of(cfg)
     zero_counters = counters is not None and counters.numel() > 0
@@ -107,7 +109,7 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
             num_counters=counters.numel() if zero_counters else 0,
             BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
             SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **launch)
+            num_stages=cfg.num_stages, **rank_args, **launch)
         return s
     block_k = _tile(cfg.BLOCK_K, K_dim)
     split_k, k_per_split, even_k = _k_split(K_dim, block_k, cfg.SPLIT_K)
@@ -121,7 +123,7 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
         num_counters=counters.numel() if zero_counters else 0,
         BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
         SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, DOT_PRECISION=_dot_precision(dtype),
-        ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+        ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rank_args, **launch)
     return s
 
 
@@ -132,7 +134,7 @@ def fused_moe_lora_triton(
     activation: str = "silu", alpha: float = GPTOSS_ALPHA, limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False, lora_b13_split: bool = False, out: Optional[Tensor] = None,
     config: Union[MoEKernelConfig, dict, None] = None, w13_scales: Optional[Tensor] = None,
-    w2_scales: Optional[Tensor] = None,
+    w2_scales: Optional[Tensor] = None, lora_ranks: Optional[Tensor] = None,
 ) -> Tensor:
     """Same contract as :func:`..reference.fused_moe_lora_reference` (arguments already checked); y [T, H] x.dtype.
 
@@ -142,7 +144,9 @@ def fused_moe_lora_triton(
     gate columns on rank rows [0, R/2) and up columns on [R/2, R), nothing else). The w13 and w2 LoRA ranks
     (``R``, ``R2``) are independent. ``config`` (a :class:`.configs.MoEKernelConfig` or its dict form) replaces
     the tuned/heuristic config; its ``pdl`` then wins over ``MOE_LORA_PDL`` (:func:`.configs.requested_pdl`).
-    ``w13_scales`` / ``w2_scales`` given: w13 / w2 are MXFP4 blocks (:func:`fused_moe_lora_mxfp4_triton`)."""
+    ``w13_scales`` / ``w2_scales`` given: w13 / w2 are MXFP4 blocks (:func:`fused_moe_lora_mxfp4_triton`).
+    ``lora_ranks`` [2, L] int: each slot's w13 / w2 rank (every kernel masks the factors' rank axis past it,
+    :func:`.moe_kernels.rank_mask`); None: all R / R2."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     E, _, I = expert_geometry(layout, _logical_shape(w13, w13_scales), _logical_shape(w2, w2_scales))
@@ -152,7 +156,7 @@ def fused_moe_lora_triton(
             x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
             w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
             routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split, config=config,
-            w13_scales=w13_scales, w2_scales=w2_scales))
+            w13_scales=w13_scales, w2_scales=w2_scales, lora_ranks=lora_ranks))
     if T == 0:
         return x.new_empty((0, H)) if out is None else out
     cfg = (MoEKernelConfig.of(config) if config is not None
@@ -164,6 +168,11 @@ def fused_moe_lora_triton(
     weights_flat = topk_weights.reshape(-1).contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a13, b13, a2, b2 = (_last_dim_contiguous(t) for t in (lora_a13, lora_b13, lora_a2, lora_b2))
+    ranks13 = ranks2 = None
+    if lora_ranks is not None:
+        lora_ranks = lora_ranks.contiguous()
+        ranks13, ranks2 = lora_ranks[0], lora_ranks[1]
+    rank_block13 = R // 2 if lora_b13_split else R  # split form: the gate and up halves share each slot's rank
     chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=config is not None)))
     if cfg.per_pair:  # one pair per block: no routing, the kernels read the pair's expert from topk_ids
         mode, grid_m = K.PER_PAIR, num_pairs
@@ -197,7 +206,8 @@ def fused_moe_lora_triton(
 
     s13 = _launch_shrink(x, a13, weights_flat, token_lora_ids, meta, K_dim=H, R=R, top_k=top_k, mode=mode,
                          block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
-                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(), counters=counters, **shrink_kind)
+                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(), counters=counters, ranks=ranks13,
+                         rank_block=rank_block13, **shrink_kind)
 
     fuse_shrink2 = cfg.fuse_shrink2
     # shrink2 in w13's epilogue: one rank-vector slice per I column tile
@@ -222,12 +232,13 @@ def fused_moe_lora_triton(
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
         EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
         SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.w13_overlap, num_warps=c13.num_warps,
-        num_stages=c13.num_stages, **chain.next())
+        num_stages=c13.num_stages, ranks_ptr=ranks13, rank_block=rank_block13,
+        ranks2_ptr=ranks2 if fuse_shrink2 else None, **chain.next())
 
     if not fuse_shrink2:
         s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R2, top_k=top_k, mode=mode,
                             block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg.shrink,
-                            dtype=x.dtype, launch=chain.next(), **shrink_kind)
+                            dtype=x.dtype, launch=chain.next(), ranks=ranks2, rank_block=R2, **shrink_kind)
 
     y = out if out is not None else torch.empty((T, H), dtype=x.dtype, device=x.device)
     if topk_sum:  # fp32 partial rows per pair (and K slice), summed per token into y by the w2 kernel
@@ -248,7 +259,7 @@ def fused_moe_lora_triton(
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r2, GROUP_SIZE_M=c2.GROUP_SIZE_M,
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
-        SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, **chain.next())
+        SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, ranks_ptr=ranks2, **chain.next())
     if not topk_sum and top_k > 1:
         torch.sum(rows2.view(T, top_k, H), dim=1, out=y)
     return y
@@ -261,9 +272,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg: ShrinkConfig, launch, counters):
+def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg: ShrinkConfig, launch, counters, rank_args):
     """lora_linear's per-token shrink (:mod:`.dense_kernels`) -> s [SPLIT_K, rows, R] fp32 (rows >= T); zeroes
-    ``counters`` (int32) on the way."""
+    ``counters`` (int32) on the way. ``rank_args``: :func:`_dense_rank_args`."""
     T, n_in = x.shape
     block_k = _tile(cfg.BLOCK_K, n_in)
     split_k, k_per_split, even_k = _k_split(n_in, block_k, cfg.SPLIT_K)
@@ -274,13 +285,25 @@ def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg: ShrinkConfig, lau
         split_stride=s.stride(0), token_lora_ptr=token_lora_ids, T=T, K=n_in, R=R, k_per_split=k_per_split,
         counter_ptr=counters if zero else None, num_counters=counters.numel(),
         BLOCK_R=_block_r(R), BLOCK_K=block_k, EVEN_K=even_k, ZERO_COUNTERS=zero, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **launch)
+        num_stages=cfg.num_stages, **rank_args, **launch)
     return s
+
+
+def _dense_rank_args(lora_ranks: Optional[Tensor], R: int) -> dict:
+    """lora_linear's ``lora_ranks`` ([L], [n, L] or None) as the kernels' ``ranks_ptr``, ``rank_block`` (R/n),
+    ``rank_stride`` (L between the n rows) (:func:`.moe_kernels.rank_mask`)."""
+    if lora_ranks is None:
+        return dict(ranks_ptr=None, rank_block=R, rank_stride=0)
+    ranks = lora_ranks.contiguous()
+    if ranks.dim() == 1:
+        return dict(ranks_ptr=ranks, rank_block=R, rank_stride=0)
+    return dict(ranks_ptr=ranks, rank_block=R // ranks.shape[0], rank_stride=ranks.shape[1])
 
 
 def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, *,
                        bias: Optional[Tensor] = None,
-                       config: Union[LinearKernelConfig, dict, None] = None) -> Tensor:
+                       config: Union[LinearKernelConfig, dict, None] = None,
+                       lora_ranks: Optional[Tensor] = None) -> Tensor:
     """``y = x W^T (+ bias) + B[l] A[l] x``: x [T, in], weight [out, in], lora_a [L, R, in], lora_b [L, out, R]
     -> y [T, out] in x.dtype. Two launches: the shrink (per token for decode-sized batches, config ``per_token``;
     else per block of BLOCK_M tokens, the DENSE mode of the MoE shrink), then the base product with the expand in its
@@ -288,7 +311,7 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
     or the GEMM (:func:`.dense_kernels.lora_linear_kernel`); split-K ``gemm.SPLIT_K`` with an in-kernel sum, whose
     arrival counters the shrink zeroes. ``config``: a :class:`.configs.LinearKernelConfig` (or its dict form)
     instead of the tuned entry or heuristic (:func:`.configs.get_linear_config`); its ``pdl`` then wins over
-    ``MOE_LORA_PDL``."""
+    ``MOE_LORA_PDL``. ``lora_ranks`` ([L] or [n, L] int, or None): each slot's rank (see :mod:`..contract`)."""
     T, n_in = x.shape
     n_out = weight.shape[0]
     R = lora_a.shape[1]
@@ -301,8 +324,9 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
     token_lora_ids = token_lora_ids.contiguous()
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
     chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=passed)))
+    rank_args = _dense_rank_args(lora_ranks, R)
     if cfg.gemv and T <= GEMV_MAX_T and weight.stride(1) == 1:  # (a transposed weight: the GEMM reads it as is)
-        return _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg, chain)
+        return _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg, chain, rank_args)
     c = cfg.gemm
     grid_m = triton.cdiv(T, cfg.BLOCK_M)
     block_n, block_k = _tile(c.BLOCK_N, n_out), _tile(c.BLOCK_K, n_in)
@@ -312,12 +336,13 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
     rows = grid_m * cfg.BLOCK_M
     if cfg.per_token:
         s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=rows, cfg=cfg.shrink, launch=chain.next(),
-                                counters=counters)
+                                counters=counters, rank_args=rank_args)
     else:  # the block shrink: the MoE shrink's DENSE mode with one expert, A [L, 1, R, in] (zero expert stride)
         s = _launch_shrink(x, a.unsqueeze(1), None, token_lora_ids, (None, None, None, None, T, grid_m), K_dim=n_in,
                            R=R, top_k=1, mode=K.DENSE, block_m=cfg.BLOCK_M, input_by_token=True,
                            scale_by_weight=False, cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(),
-                           counters=counters)
+                           counters=counters, ranks=rank_args["ranks_ptr"], rank_block=rank_args["rank_block"],
+                           rank_stride=rank_args["rank_stride"])
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, rows, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     DK.lora_linear_kernel[(tiles, split_k)](
@@ -328,8 +353,9 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         k_per_split=k_per_split,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c.GROUP_SIZE_M,
         HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
-        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k, EXPAND_SLOTS=_expand_slots(cfg, block_n, R, c.num_warps),
-        num_warps=c.num_warps, num_stages=c.num_stages, **chain.next())
+        DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k,
+        EXPAND_SLOTS=_expand_slots(cfg, block_n, R, c.num_warps), num_warps=c.num_warps, num_stages=c.num_stages,
+        **rank_args, **chain.next())
     return out
 
 
@@ -344,7 +370,8 @@ def _expand_slots(cfg: LinearKernelConfig, block_n: int, R: int, num_warps: int)
     return max(1, min(cfg.expand_slots, cfg.BLOCK_M, 1 << max(0, budget.bit_length() - 1)))
 
 
-def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig, chain: LaunchChain) -> Tensor:
+def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig, chain: LaunchChain,
+                 rank_args: dict) -> Tensor:
     """lora_linear for a handful of tokens: the per-token shrink (zeroing the split-K counters), then the GEMV
     with the expand and bias in its epilogue (:func:`.dense_kernels.lora_gemv_kernel`) -> y [T, out]."""
     T, n_in = x.shape
@@ -356,7 +383,7 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
     split_k, k_per_split, _ = _k_split(n_in, block_k, c.SPLIT_K)
     counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
     s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=T, cfg=cfg.shrink, launch=chain.next(),
-                            counters=counters)
+                            counters=counters, rank_args=rank_args)
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, T, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     DK.lora_gemv_kernel[(tiles, split_k)](
@@ -366,7 +393,8 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
         counter_ptr=counters if split_k > 1 else None, T=T, K=n_in, N=n_out, R=R, split_k=split_k,
         k_per_split=k_per_split, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_R=_block_r(R), HAS_BIAS=bias is not None, EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0,
-        USE_SPLIT_K=split_k > 1, PREFETCH=c.num_stages >= 2, num_warps=c.num_warps, num_stages=1, **chain.next())
+        USE_SPLIT_K=split_k > 1, PREFETCH=c.num_stages >= 2, num_warps=c.num_warps, num_stages=1, **rank_args,
+        **chain.next())
     return out
 
 

@@ -19,6 +19,12 @@ batches a block holds few pairs of many slots, and walking them serially with a 
 block shrink latency-bound (~11 us a launch on the H200 at 8 tokens of 8 adapters, ~1.5 us of bytes): there
 :func:`lora_shrink_pairs_kernel` runs one program per pair instead, writing the same rows.
 
+Per-slot rank (``ranks_ptr``, data): every kernel that reads a slot's factors masks their rank axis with
+:func:`rank_mask`, so the entries past the slot's rank are never loaded (no bytes moved: a rank-8 adapter in
+rank-64 slots reads 1/8 of A, and of B the 32-byte sectors holding its 8 entries per row) and never reach a result,
+whatever they hold. The ranks are read from memory, so loading an adapter of another rank into a slot recompiles
+nothing and keeps captured CUDA graphs valid. ``ranks_ptr`` None (constexpr): every slot at the full padded rank.
+
 Top-k sum (w2, PER_PAIR mode, ``TOPK_SUM``): the last-arriving program of a token's k pairs per N tile sums
 their fp32 rows (see :func:`moe_w2_kernel`). PDL (``USE_PDL``): every kernel waits for its predecessor first
 thing and lets its successor launch early (see :func:`grid_dependency_sync`, :mod:`.pdl`).
@@ -100,6 +106,25 @@ def _slot_range(lora, has_lora):
 
 
 @triton.jit
+def rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK: tl.constexpr = False):
+    """Which rank entries ``offs_r`` of slot ``slot`` (int tensors, broadcastable) are read: ``r < R`` and, with
+    ``ranks_ptr``, ``r % rank_block < rank``: the rank axis in equal blocks of ``rank_block`` entries, each block using
+    its leading ``rank`` ones. ``rank``: ``ranks[slot]``, one scalar load (``slot`` a scalar; at most two blocks:
+    one, or the split gate/up form's halves); PER_BLOCK: ``ranks[r // rank_block, slot]``, a gather from int
+    [n, L] ranks with rows ``rank_stride`` apart (fused sibling linears: each member its own rank). ``ranks_ptr``
+    None: ``r < R`` (every slot at the padded rank)."""
+    mask = offs_r < R
+    if ranks_ptr is not None:
+        if PER_BLOCK:
+            rank = tl.load(ranks_ptr + slot + (offs_r // rank_block) * rank_stride, mask=mask, other=0)
+            mask = mask & ((offs_r % rank_block) < rank)
+        else:  # at most two blocks (R = rank_block, or the split form's halves): no integer division
+            rank = tl.load(ranks_ptr + slot)
+            mask = mask & ((offs_r < rank) | ((offs_r >= rank_block) & (offs_r < rank_block + rank)))
+    return mask
+
+
+@triton.jit
 def _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R: tl.constexpr):
     """Sum of the shrink's split-K slices for these rows -> [BLOCK_M, BLOCK_R] fp32 (zero where no LoRA)."""
     offs_r = tl.arange(0, BLOCK_R)
@@ -112,17 +137,22 @@ def _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK
 
 
 @triton.jit
-def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 PER_BLOCK: tl.constexpr = False):
     """sum over slots l in the block of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N] fp32.
 
-    s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N].
+    s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N], ``b_mask``
+    its mask, narrowed per slot to the slot's rank (:func:`rank_mask`; ``R``, ``rank_block``, ``rank_stride``,
+    PER_BLOCK).
     Each slot's product is kept only in its own rows (``tl.where`` on the result, as the shrink does): zeroing the
     other rows' ``s`` instead would still give ``0 * inf = NaN`` in them for a non-finite value in B[l]."""
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     slot, last = _slot_range(lora, has_lora)
+    offs_r = tl.arange(0, BLOCK_R)
     while slot <= last:
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask, other=0.0)
+        in_rank = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK)
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask & in_rank[:, None], other=0.0)
         part = tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
         delta += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
         slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
@@ -179,13 +209,16 @@ def lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    ranks_ptr=None, rank_block=1, rank_stride=0,
 ):
     """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
     fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
     Rows without LoRA are not written and never read. Grid (grid_m, SPLIT_K). A [L, E, R, K].
 
     ZERO_COUNTERS: also zero ``counter [num_counters]`` int32, the arrival counters of the later kernels of the
-    layer (w13 split-K, w2 top-k sum): the shrink is the first kernel of the chain, so no memset launch."""
+    layer (w13 split-K, w2 top-k sum): the shrink is the first kernel of the chain, so no memset launch.
+    ``ranks_ptr``, ``rank_block``, ``rank_stride``: each slot's rank (:func:`rank_mask`, per block in DENSE mode);
+    A's rows past it are not read, their entries of s are 0."""
     grid_dependency_sync(USE_PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -221,15 +254,16 @@ def lora_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     while slot <= last:
         a_slot_ptr = a_ptr + slot.to(tl.int64) * stride_al + a_offs
+        a_mask = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, MODE == _DENSE)[None, :]
         part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
                 x = tl.load(in_ptrs + k0)
-                a = tl.load(a_slot_ptr + k0, mask=r_mask, other=0.0)
+                a = tl.load(a_slot_ptr + k0, mask=a_mask, other=0.0)
             else:
                 k_mask = (k0 + offs_k) < k_end
                 x = tl.load(in_ptrs + k0, mask=k_mask[None, :], other=0.0)
-                a = tl.load(a_slot_ptr + k0, mask=r_mask & k_mask[:, None], other=0.0)
+                a = tl.load(a_slot_ptr + k0, mask=a_mask & k_mask[:, None], other=0.0)
             part += tl.dot(x, a, input_precision=DOT_PRECISION)
         acc += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
         slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
@@ -247,14 +281,15 @@ def lora_shrink_pairs_kernel(
     token_lora_ptr, pair_row_ptr, topk_ids_ptr, num_pairs, K, R, top_k, k_per_split, counter_ptr, num_counters,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
-    ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
+    ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
 ):
     """The per-pair shrink (decode-sized batches): what :func:`lora_shrink_kernel` computes, one (token, expert)
     pair and K slice per program, grid (num_pairs, SPLIT_K). The slot is a scalar (no walk over a block's slots),
     no ``tl.dot`` (``[BLOCK_R, BLOCK_K]`` products summed over K, as lora_linear's per-token shrink), pairs of
     ``-1`` tokens exit at once. The result goes to the pair's row of the consumers' layout ``s [SPLIT_K, rows, R]``
     (slice stride ``split_stride``): ``pair_row[pair]`` in SORTED mode (:mod:`.routing`), ``pair*BLOCK_M`` in
-    PER_PAIR mode; the input row is the token (INPUT_BY_TOKEN) or that row (``act``). ZERO_COUNTERS: as there."""
+    PER_PAIR mode; the input row is the token (INPUT_BY_TOKEN) or that row (``act``). ZERO_COUNTERS, ranks: as
+    there."""
     grid_dependency_sync(USE_PDL)
     pair = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -276,6 +311,7 @@ def lora_shrink_pairs_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     r_mask = offs_r < R
+    a_mask = rank_mask(ranks_ptr, lora, offs_r, R, rank_block, rank_stride)[:, None]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     in_ptrs = in_ptr + in_row * stride_in + offs_k
@@ -284,11 +320,11 @@ def lora_shrink_pairs_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
             x = tl.load(in_ptrs + k0)
-            a = tl.load(a_ptrs + k0, mask=r_mask[:, None], other=0.0)
+            a = tl.load(a_ptrs + k0, mask=a_mask, other=0.0)
         else:
             k_mask = (k0 + offs_k) < k_end
             x = tl.load(in_ptrs + k0, mask=k_mask, other=0.0)
-            a = tl.load(a_ptrs + k0, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            a = tl.load(a_ptrs + k0, mask=a_mask & k_mask[None, :], other=0.0)
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     launch_dependents(USE_PDL)
     s = tl.sum(acc, axis=1)
@@ -323,6 +359,7 @@ def moe_w13_kernel(
     DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     WAIT_AFTER_MAIN_LOOP: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
     w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0,
+    ranks_ptr=None, rank_block=1, ranks2_ptr=None,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
@@ -345,7 +382,10 @@ def moe_w13_kernel(
 
     W_FORMAT MXFP4: ``w_ptr`` is W13's blocks uint8 ``[E, 2I, H/32, 16]`` (byte (e, n, k/2) at e*stride_we +
     n*stride_wn + k//2) and ``w_scales_ptr`` its scales ``[E, 2I, H/32]`` (e*stride_se + n*stride_sn + k//32),
-    decoded in the main loop (:func:`.mxfp4_kernels.mxfp4_expert_gemm`); stride_wk is unused."""
+    decoded in the main loop (:func:`.mxfp4_kernels.mxfp4_expert_gemm`); stride_wk is unused.
+
+    Ranks (:func:`rank_mask`): ``ranks_ptr`` each slot's w13 rank (in blocks of ``rank_block``: R, or R/2 in the
+    split form), ``ranks2_ptr`` its w2 rank (the fused shrink2's A2 rows)."""
     if not WAIT_AFTER_MAIN_LOOP:
         grid_dependency_sync(USE_PDL)
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -456,8 +496,8 @@ def moe_w13_kernel(
         if WEIGHT_ON_INPUT:
             h = h * weight[:, None]
         b_offs, b_mask = _b13_tile(offs_r, cols, (cols % 2) == 1, col_mask, R, stride_bn, SPLIT_B13)
-        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, BLOCK_M, 2 * BLOCK_N,
-                          DOT_PRECISION)
+        h += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, ranks_ptr, R, rank_block, 0,
+                          BLOCK_M, 2 * BLOCK_N, BLOCK_R, DOT_PRECISION)
         if HAS_BIAS:
             h += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         gate, up = tl.split(tl.reshape(h, (BLOCK_M, BLOCK_N, 2)))
@@ -466,11 +506,11 @@ def moe_w13_kernel(
             gate = gate * weight[:, None]
             up = up * weight[:, None]
         b_offs, b_mask = _b13_tile(offs_r, gate_cols, gate_cols >= I, j_mask, R, stride_bn, SPLIT_B13)
-        gate += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, BLOCK_M, BLOCK_N,
-                             DOT_PRECISION)
+        gate += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, ranks_ptr, R,
+                             rank_block, 0, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
         b_offs, b_mask = _b13_tile(offs_r, up_cols, up_cols >= I, j_mask, R, stride_bn, SPLIT_B13)
-        up += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, BLOCK_M, BLOCK_N,
-                           DOT_PRECISION)
+        up += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_expert + b_offs, b_mask, ranks_ptr, R,
+                           rank_block, 0, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
         if HAS_BIAS:
             gate += tl.load(bias_ptr + expert * stride_bias_e + gate_cols, mask=j_mask,
                             other=0.0).to(tl.float32)[None, :]
@@ -497,7 +537,9 @@ def moe_w13_kernel(
         a2_mask = j_mask[:, None] & r2_mask[None, :]
         slot, last = _slot_range(lora, has_lora)
         while slot <= last:
-            a2 = tl.load(a2_ptr + slot.to(tl.int64) * stride_a2l + a2_offs, mask=a2_mask, other=0.0)
+            a2_rank = rank_mask(ranks2_ptr, slot, offs_r2, R2, R2, 0)
+            a2 = tl.load(a2_ptr + slot.to(tl.int64) * stride_a2l + a2_offs, mask=a2_mask & a2_rank[None, :],
+                         other=0.0)
             part = tl.dot(act, a2, input_precision=DOT_PRECISION)
             s2 += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
             slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
@@ -516,7 +558,7 @@ def moe_w2_kernel(
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_OUTPUT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
-    w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0,
+    w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0, ranks_ptr=None,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM.
 
@@ -533,7 +575,7 @@ def moe_w2_kernel(
     ``p*num_pairs + pair``; the last of the token's top_k*SPLIT_K programs of the tile sums them all.
 
     W_FORMAT MXFP4: ``w_ptr`` is W2's blocks uint8 ``[E, H, I/32, 16]``, ``w_scales_ptr`` its scales (addressed
-    like the w13 kernel's)."""
+    like the w13 kernel's). ``ranks_ptr``: each slot's w2 rank (:func:`rank_mask`)."""
     grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
     pid_k = tl.program_id(1)
@@ -572,8 +614,8 @@ def moe_w2_kernel(
     r_mask = offs_r < R
     s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
     b_offs = expert * stride_be + offs_r[:, None] + offs_n[None, :] * stride_bn
-    acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, r_mask[:, None] & n_mask[None, :],
-                        BLOCK_M, BLOCK_N, DOT_PRECISION)
+    acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, r_mask[:, None] & n_mask[None, :], ranks_ptr,
+                        R, R, 0, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
