@@ -34,12 +34,21 @@ tests)
   step gpu_tests 390 env TORCHINDUCTOR_COMPILE_THREADS=2 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
     "${XDIST[@]}" --durations=15 tests
   tail -25 "$W/gpu_tests.log"
-  # the dense LoRA tuner (GPT-OSS-20B shapes; merges into the package's table, a copy comes back)
-  step tune_linear 130 python3 -m moe_lora_compile.ops.triton.tune_linear --models gpt-oss-20b --budget-s 95 \
-    --out "$W/NVIDIA_H200_linear.json"
-  grep -h "best\|^|" "$W/tune_linear.log" | tail -12
-  step ablation 75 python3 benchmarks/bench_fused_moe_lora.py --decode-ablation --models gpt-oss-20b \
-    --tokens 8 32 64 --ranks 32 --rep-ms 25 --json "$W/ablation.json" --md "$W/ablation.md"
+  # micro-benchmarks after the tests, chosen by MICRO (default: all of them, in this order)
+  for m in ${MICRO:-attn ablation mxfp4 ranks router tune}; do case $m in
+    attn) step attn 60 python3 benchmarks/bench_attention.py --batches 1 8 64 --md "$W/attn.md" ;;
+    ablation) step ablation 60 python3 benchmarks/bench_fused_moe_lora.py --decode-ablation --models gpt-oss-20b \
+      --tokens 8 32 64 --ranks 32 --rep-ms 25 --json "$W/ablation.json" --md "$W/ablation.md" ;;
+    mxfp4) step mxfp4 60 python3 benchmarks/bench_fused_moe_lora.py --mxfp4 --quick --json "$W/mxfp4.json" \
+      --md "$W/mxfp4.md" ;;
+    ranks) step ranks 60 python3 benchmarks/bench_fused_moe_lora.py --mixed-ranks --models gpt-oss-20b \
+      --json "$W/ranks.json" --md "$W/ranks.md" ;;
+    router) step router 40 python3 benchmarks/bench_router.py ;;
+    # the dense LoRA tuner (GPT-OSS-20B shapes; merges into the package's table, a copy comes back)
+    tune) step tune_linear 130 python3 -m moe_lora_compile.ops.triton.tune_linear --models gpt-oss-20b \
+      --budget-s 95 --out "$W/NVIDIA_H200_linear.json"
+      grep -h "best\|^|" "$W/tune_linear.log" | tail -12 ;;
+  esac; done
   [ -n "${EXTRA_TESTS_CALL:-}" ] && step extra 200 bash -c "$EXTRA_TESTS_CALL"
   ;;
 serving)
