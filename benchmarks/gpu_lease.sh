@@ -31,7 +31,7 @@ cat "$W/env.txt"
 case $CALL in
 tests)
   if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-8}" --dist load); else XDIST=(); fi
-  step gpu_tests 390 env TORCHINDUCTOR_COMPILE_THREADS=2 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+  step gpu_tests "${TESTS_LIMIT:-390}" env TORCHINDUCTOR_COMPILE_THREADS="${COMPILE_THREADS:-2}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
     "${XDIST[@]}" --durations=15 tests
   tail -25 "$W/gpu_tests.log"
   # micro-benchmarks after the tests, chosen by MICRO (default: all of them, in this order)
@@ -49,7 +49,7 @@ tests)
       --budget-s 95 --out "$W/NVIDIA_H200_linear.json"
       grep -h "best\|^|" "$W/tune_linear.log" | tail -12 ;;
   esac; done
-  [ -n "${EXTRA_TESTS_CALL:-}" ] && step extra 200 bash -c "$EXTRA_TESTS_CALL"
+  [ -n "${EXTRA_TESTS_CALL:-}" ] && step extra 240 bash -c "$EXTRA_TESTS_CALL"
   ;;
 serving)
   step serving 560 python3 benchmarks/bench_serving.py --model gpt-oss-20b ${SERVING_ARGS:-} \

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
+from . import rank_masks
 from .fx_match import (NoMatch, aten, find_in_chain, insert_call, is_call, name, require, same_shape, shape, skip,
                        val, where_or_zero)
 
@@ -36,6 +37,7 @@ class LinearMatch:
     lora_b: Node  # [L, out, R] (multi) or [out, R] (peft)
     token_lora_ids: Optional[Node]  # None for peft
     scale: float = 1.0
+    lora_ranks: Optional[Node] = None  # multi with rank-masked factors: each slot's rank, [L] or [n, L] int
 
     def describe(self) -> str:
         return f"{self.form} at {self.anchor.name}: bias={self.bias is not None} scale={self.scale}"
@@ -106,7 +108,18 @@ def _multi_delta(lhs: Node, rhs: Node):
            and val(s).dtype in (torch.int32, torch.int64)]
     if len(slots) != 1 or len(ids) != 1:
         return None
-    return mm[0], a, b, ids[0]
+    # the reference with per-slot ranks masks both factors, where(keep, factor, 0): the op takes the unmasked
+    # factors and the ranks; any other mask stays computed and the op reads the masked factors
+    ranks = None
+    (a_src, a_keep), (b_src, b_keep) = rank_masks.unmask(a), rank_masks.unmask(b)
+    if a_keep is not None and b_keep is not None and skip(a_keep) is skip(b_keep) \
+            and len(shape(skip(a_src)) or ()) == 3 and len(shape(skip(b_src)) or ()) == 3:
+        try:
+            ranks = rank_masks.rank_source(skip(a_keep), shape(a)[0], shape(a)[1])
+            a, b = skip(a_src), skip(b_src)
+        except NoMatch:
+            pass
+    return mm[0], a, b, (ids[0], ranks)
 
 
 def _is_slot_range(node, n_slots) -> bool:
@@ -175,9 +188,9 @@ def match_linear(anchor: Node) -> LinearMatch:
     x = find_in_chain(x_base, (T, n_in))
     if form == "multi":
         L, R, _ = shape(a)
-        ids = find_in_chain(extra, (T,))
+        ids, ranks = find_in_chain(extra[0], (T,)), extra[1]
         require(shape(b)[0] == L and shape(b)[2] == R and shape(b)[1] == out, f"{anchor.name}: LoRA stack shapes")
-        return LinearMatch("multi", anchor, x, weight, bias[0] if bias else None, a, b, ids)
+        return LinearMatch("multi", anchor, x, weight, bias[0] if bias else None, a, b, ids, lora_ranks=ranks)
     require(shape(a)[1] == n_in and shape(b)[0] == out and shape(a)[0] == shape(b)[1],
             f"{anchor.name}: PEFT A/B shapes {shape(a)}/{shape(b)} do not fit W {shape(weight)}")
     return LinearMatch("peft", anchor, x, weight, bias[0] if bias else None, a, b, None, extra)
@@ -195,4 +208,8 @@ def emit_lora_linear(graph, m: LinearMatch) -> Node:
         if not isinstance(T, int):
             T = insert_call(graph, aten.sym_size.int, (m.x, 0))
         ids = insert_call(graph, aten.full.default, ([T], 0), dict(dtype=torch.int32, device=val(m.x).device))
-    return insert_call(graph, torch.ops.moe_lora.lora_linear.default, (m.x, m.weight, a, b, ids, m.bias))
+    ranks = m.lora_ranks
+    if ranks is not None and val(ranks).dtype != torch.int32:
+        ranks = insert_call(graph, torch.ops.prims.convert_element_type.default, (ranks, torch.int32))
+    extra = {} if ranks is None else dict(lora_ranks=ranks)
+    return insert_call(graph, torch.ops.moe_lora.lora_linear.default, (m.x, m.weight, a, b, ids, m.bias), extra)

@@ -33,7 +33,7 @@ from torch.fx import Node
 from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER
 from ..ops.layout import CONCAT, TRANSPOSED_INTERLEAVED, expert_geometry, is_transposed, layout_of, split_gate_up
 from ..ops.reference import glu_activation
-from . import peft_patterns
+from . import peft_patterns, rank_masks
 from .fx_match import (CASTS, NoMatch, aten, chain, find_in_chain, insert_call, is_call, is_zero, name, require,
                        same, same_shape, shape, skip, val, where_or_zero)
 
@@ -58,6 +58,7 @@ class Projection:
     lora_a: Optional[Node] = None
     lora_b: Optional[Node] = None
     lora_ids: Optional[Node] = None  # per-pair slot ids (before clamp)
+    lora_ranks: Optional[Node] = None  # each slot's rank ([L] / [1, L] int) when the factors are rank-masked
     bias: Optional[Node] = None
     bias_experts: Optional[Node] = None  # the ids the bias is gathered with
     update: Optional[peft_patterns.LowRankUpdate] = None  # PEFT's merged weight W + s lhs rhs (then weight is W)
@@ -84,6 +85,7 @@ class MoEMatch:
     limit: float
     routing_weight_on_input: bool
     updates: Optional[tuple] = None  # PEFT's (gate/up, down) LowRankUpdate, either may be None
+    lora_ranks: Optional[tuple[Node, Node]] = None  # (w13, w2) per-slot rank tensors of rank-masked factors
 
     def describe(self) -> str:
         lora = "peft" if self.updates else "yes" if self.lora else "no"
@@ -172,7 +174,10 @@ def _cast_free(node: Node) -> Node:
 
 
 def _lora_term(term: Node):
-    """``where(ids >= 0, bmm(B[slot,e], bmm(A[slot,e], x)), 0)`` -> ``(A, B, ids, e, x)``, else None."""
+    """``where(ids >= 0, bmm(B[slot,e], bmm(A[slot,e], x)), 0)`` -> ``(A, B, ids, e, x, ranks)``, else None.
+
+    Each gathered factor may be rank-masked (``where(keep[slot], factor, 0)``, the reference with per-slot ranks):
+    ``ranks`` is then the slot-rank tensor behind ``keep`` (:mod:`.rank_masks`), else None."""
     selected = where_or_zero(term)
     if selected is None:
         return None
@@ -180,11 +185,13 @@ def _lora_term(term: Node):
     outer, ge = _bmm_operands(prod), skip(mask)
     if outer is None or not (is_call(ge, aten.ge.Scalar) and ge.args[1] == 0):
         return None
-    b = _gather(outer[0], 4, 2)
+    b_gathered, b_keep = rank_masks.unmask(outer[0])
+    b = _gather(b_gathered, 4, 2)
     inner = _bmm_operands(outer[1])
     if b is None or inner is None:
         return None
-    a = _gather(inner[0], 4, 2)
+    a_gathered, a_keep = rank_masks.unmask(inner[0])
+    a = _gather(a_gathered, 4, 2)
     if a is None:
         return None
     (a_src, (a_slot, a_e)), (b_src, (b_slot, b_e)) = a, b
@@ -194,7 +201,15 @@ def _lora_term(term: Node):
         return None
     if skip(a_e) is not skip(b_e):
         return None
-    return a_src, b_src, ge.args[0], a_e, inner[1]
+    ranks = None
+    if a_keep is not None or b_keep is not None:
+        require(a_keep is not None and b_keep is not None, f"{term.name}: only one LoRA factor is rank-masked")
+        keep = rank_masks.pair_keep(a_keep, a_slot)
+        require(rank_masks.pair_keep(b_keep, b_slot) is keep, f"{term.name}: A and B masked by different ranks")
+        L, R = shape(a_src)[0], shape(a_src)[2]
+        ranks = rank_masks.rank_source(keep, L, R)
+        require(val(ranks).numel() == L, f"{term.name}: MoE factors masked by {shape(ranks)} ranks, not [L]")
+    return a_src, b_src, ge.args[0], a_e, inner[1], ranks
 
 
 def _base_bmm_term(term: Node):
@@ -257,7 +272,7 @@ def parse_projection(root: Node, grouped: bool) -> Projection:
     require(not (lora and update), f"{root.name}: both a LoRA term and a merged PEFT weight")
     proj = Projection(root, update.base if update else w, transposed, inp, experts, update=update)
     if lora:
-        proj.lora_a, proj.lora_b, proj.lora_ids, lora_experts, lora_inp = lora[0]
+        proj.lora_a, proj.lora_b, proj.lora_ids, lora_experts, lora_inp, proj.lora_ranks = lora[0]
         require(skip(lora_experts) is skip(experts), f"{root.name}: LoRA gathers other expert ids than the base")
         require(skip(lora_inp) is skip(inp), f"{root.name}: LoRA reads another input than the base matmul")
     if bias:
@@ -436,10 +451,13 @@ def match_pairwise(anchor: Node) -> MoEMatch:
         lora = (up.lora_a, up.lora_b, down.lora_a, down.lora_b)
         require(_has_shape(up.lora_ids, (T, k)), "token_lora_ids are not repeated token-major to the pairs")
         ids = find_in_chain(up.lora_ids, (T,))
+        require((up.lora_ranks is None) == (down.lora_ranks is None), "per-slot ranks on only one projection")
+        ranks = None if up.lora_ranks is None else (up.lora_ranks, down.lora_ranks)
     layout = _layout(up.transposed, interleaved)
     form, updates = _peft_form("pairwise", up, down)
     return MoEMatch(form, anchor, x, topk_ids, topk_weights, ids, up.weight, down.weight, lora, up.bias,
-                    down.bias, layout, activation, alpha, limit, routing_on_input, updates)
+                    down.bias, layout, activation, alpha, limit, routing_on_input, updates,
+                    None if up.lora_a is None else ranks)
 
 
 def _peft_form(form: str, up: Projection, down: Projection) -> tuple[str, Optional[tuple]]:
@@ -564,9 +582,23 @@ def emit_fused_moe(graph, m: MoEMatch) -> Node:
         lora, ids = _no_adapter_stacks(graph, m)
     else:
         lora, ids = m.lora, m.token_lora_ids
+    extra = {}
+    if m.lora_ranks is not None and not m.updates:
+        extra["lora_ranks"] = _stacked_ranks(graph, *m.lora_ranks)
     return insert_call(
         graph, torch.ops.moe_lora.fused_moe_lora.default,
         (m.x, m.topk_ids, m.topk_weights, ids, m.w13, m.w2, *lora, m.w13_bias, m.w2_bias),
         dict(layout=m.layout, activation=m.activation, alpha=m.alpha, limit=m.limit,
-             routing_weight_on_input=m.routing_weight_on_input),
+             routing_weight_on_input=m.routing_weight_on_input, **extra),
     )
+
+
+def _stacked_ranks(graph, r13: Node, r2: Node) -> Node:
+    """The op's ``lora_ranks`` [2, L] int32 from the two projections' rank tensors: the module's [2, L] buffer
+    itself when they are its rows 0 and 1, else a stack."""
+    sel = [skip(r) for r in (r13, r2)]
+    if all(is_call(s, aten.select.int) and s.args[1] == 0 for s in sel) and sel[0].args[0] is sel[1].args[0] \
+            and (sel[0].args[2], sel[1].args[2]) == (0, 1) and val(sel[0].args[0]).dtype == torch.int32:
+        return sel[0].args[0]
+    rows = [rank_masks.as_rank_vector(graph, r, insert_call) for r in (r13, r2)]
+    return insert_call(graph, aten.stack.default, (rows,))

@@ -101,13 +101,13 @@ def test_gemv_narrow_and_wide_tiles_match_oracle(T, n_in, n_out, kind, block_n, 
 
 def test_expand_slots_config():
     """A bad ``expand_slots`` is a ValueError naming it; the dict form round-trips it; entries without it (tuned
-    before it existed) take the grouped default."""
+    before it existed) take the default, one slot at a time."""
     with pytest.raises(ValueError, match="expand_slots"):
         config(expand_slots=3)
     cfg = config(expand_slots=4)
     assert cfg.to_dict()["expand_slots"] == 4 and LinearKernelConfig.of(cfg.to_dict()) == cfg
     old = {k: v for k, v in cfg.to_dict().items() if k != "expand_slots"}
-    assert LinearKernelConfig.of(old).expand_slots == 8
+    assert LinearKernelConfig.of(old).expand_slots == 1
 
 
 @pytest.mark.parametrize("block_n,R,warps,asked,used", [

@@ -91,9 +91,11 @@ def _assert_same(before, after):
 
 
 def _slot_buffers(mm, slot):
+    """One slot's part of every LoRA buffer: the factors' row ``slot``, the ranks' column ``slot`` (experts keep
+    ``lora_ranks [2, L]``: w13 and w2 ranks; a fused group's leader ``lora_ranks_fused [n, L]``)."""
     modules = list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values())
-    return [getattr(m, b)[slot].clone() for m in modules for b, _ in m.named_buffers(recurse=False)
-            if b.startswith("lora_")]
+    return [(buf[..., slot] if name.startswith("lora_ranks") else buf[slot]).clone()
+            for m in modules for name, buf in m.named_buffers(recurse=False) if name.startswith("lora_")]
 
 
 def test_lru_order_and_counters(setup):

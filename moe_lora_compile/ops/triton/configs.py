@@ -167,8 +167,8 @@ class LinearKernelConfig:
     ``BLOCK_M`` or GROUP_SIZE_M, and always takes the per-token shrink; its ``num_stages`` >= 2 means loads one K
     step ahead, in registers); ``pdl``: see :func:`requested_pdl`; ``expand_slots`` (GEMM): the epilogue loads the
     B tiles of up to this many distinct adapter slots of a row block at once (one gathered load, one batched
-    ``tl.dot``; capped by a register budget, :func:`.launch._expand_slots`), 1 = one slot at a time (a B round
-    trip per slot).
+    ``tl.dot``; capped by a register budget, :func:`.launch._expand_slots`), 1 (default) = one slot at a time (a B
+    round trip per slot).
 
     Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl", "expand_slots"}``
     (``per_token`` may also sit in ``shrink``, as older configs have it)."""
@@ -179,7 +179,9 @@ class LinearKernelConfig:
     per_token: bool = False
     pdl: PdlSetting = None
     gemv: bool = False
-    expand_slots: int = 8
+    expand_slots: int = 1  # 8 (the grouped expand, 143-192 registers) ran GPT-OSS decode at batch 8 slower in
+    # the whole model (H200, 2026-12-04: 9.67 against 8.85 ms a step before it, with the MoE rank masks in the
+    # same tree): off until the tuner picks it for a shape (its stage 2 tries 1, 4, 8)
 
     def __post_init__(self):
         if self.pdl is not None:

@@ -228,18 +228,16 @@ def lora_linear_kernel(
 @triton.jit
 def _gemv_load(x_ptrs, w_ptrs, k_mask, n_mask, MASK_K: tl.constexpr, EVEN_N: tl.constexpr):
     """-> (x [BLOCK_T, BLOCK_N, BLOCK_K] (the same row at every n), w [1, BLOCK_N, BLOCK_K]) at one K step. The loads
-    are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's: no layout conversion. W is
-    read once: ``evict_first`` keeps it from pushing x, the LoRA factors and the partials out of L2."""
+    are 3-D so that W's coalesced layout (K-contiguous vectors) is the accumulator's: no layout conversion."""
     if MASK_K:
         x = tl.load(x_ptrs, mask=k_mask[None, None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0,
-                    eviction_policy="evict_first")
+        w = tl.load(w_ptrs, mask=n_mask[None, :, None] & k_mask[None, None, :], other=0.0)
     else:
         x = tl.load(x_ptrs)
         if EVEN_N:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
+            w = tl.load(w_ptrs)
         else:
-            w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptrs, mask=n_mask[None, :, None], other=0.0)
     return x, w
 
 
@@ -270,9 +268,12 @@ def lora_gemv_kernel(
     deterministic, no float atomics, no extra launch.
 
     PDL: the main loop reads only x (written before the shrink, the first kernel of the pair) and W, so it runs
-    before the wait for the shrink (the weight streams while the shrink runs). Slice 0's B gather (by the token
-    ids: nothing the shrink writes) is issued before the main loop, so it arrives with the weight stream and
-    not after it."""
+    before the wait for the shrink (the weight streams while the shrink runs).
+
+    History (H200, GPT-OSS-20B whole-model decode at batch 1, 2026-12-04): a form that also issued slice 0's B
+    gather before the main loop and loaded W with ``evict_first`` (besides the per-slot rank masks kept here) made
+    the step's 48 dense calls 0.13-0.17 ms slower in total, with and without adapters, than the form before it;
+    those two changes were taken back out (this form is not measured yet)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
@@ -288,15 +289,6 @@ def lora_gemv_kernel(
     x_ptrs = (x_ptr + tl.where(t_mask, offs_t, 0).to(tl.int64)[:, None, None] * stride_x
               + tl.zeros([1, BLOCK_N, 1], dtype=tl.int64) + offs_k[None, None, :])
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :, None] * stride_wn + offs_k[None, None, :]
-    # slice 0's LoRA gather of B by each token's own slot (tokens of -1 and other slices load nothing)
-    lora = tl.where(pid_k == 0, tl.load(token_lora_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64), -1)
-    has_lora = t_mask & (lora >= 0)
-    offs_r = tl.arange(0, BLOCK_R)
-    s_mask = has_lora[:, None] & rank_mask(ranks_ptr, tl.where(has_lora, lora, 0)[:, None], offs_r[None, :], R,
-                                           rank_block, rank_stride, True)  # each token's slot, to its rank
-    b_ptrs = (b_ptr + tl.where(has_lora, lora, 0)[:, None, None] * stride_bl
-              + offs_n.to(tl.int64)[None, :, None] * stride_bn + offs_r[None, None, :])
-    b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
     acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:  # the next step's tiles load while this step's multiply-adds wait for theirs: 2 tiles in flight
         if k_start < k_full:
@@ -319,11 +311,20 @@ def lora_gemv_kernel(
     launch_dependents(USE_PDL)
 
     if pid_k == 0:  # the LoRA delta and the bias once, in slice 0
+        lora = tl.load(token_lora_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
+        has_lora = t_mask & (lora >= 0)
         if tl.max(has_lora.to(tl.int32), axis=0) > 0:
+            offs_r = tl.arange(0, BLOCK_R)
+            slot = tl.where(has_lora, lora, 0)
+            s_mask = has_lora[:, None] & rank_mask(ranks_ptr, slot[:, None], offs_r[None, :], R, rank_block,
+                                                   rank_stride, True)  # each token's slot, to its rank
             s_ptrs = s_ptr + offs_t.to(tl.int64)[:, None] * R + offs_r[None, :]
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
             for split in range(1, num_splits):
                 s += tl.load(s_ptrs + split * split_stride, mask=s_mask, other=0.0)
+            b_ptrs = (b_ptr + slot[:, None, None] * stride_bl + offs_n.to(tl.int64)[None, :, None] * stride_bn
+                      + offs_r[None, None, :])
+            b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
             out += tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)  # 0 in rows without LoRA (b, s masked)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
