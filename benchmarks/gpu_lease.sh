@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU lease as three device calls of < 10 minutes each (every step has its own time limit, so a call always
 # ends with its results packed): results under $OUT/<call>.tgz plus the markdown tables beside it.
-#   OUT=/tmp/out bash benchmarks/gpu_lease.sh tests     # all gpu-marked tests (xdist), then the layer ablations
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh tests     # all gpu-marked tests (xdist, -v: a test's outcome is logged
+#                                                       # as it ends, so a kill keeps the names), then micro-benchmarks
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh serving   # benchmarks/bench_serving.py, GPT-OSS-20B geometry
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode    # bench_decode: ours + HF eager/PEFT, hf_compiled in a
 #                                                       # second process (--gpu-lock), then the chat-shaped run
@@ -31,7 +32,7 @@ cat "$W/env.txt"
 case $CALL in
 tests)
   if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-8}" --dist load); else XDIST=(); fi
-  step gpu_tests "${TESTS_LIMIT:-390}" env TORCHINDUCTOR_COMPILE_THREADS="${COMPILE_THREADS:-2}" python3 -m pytest -m gpu -q -p no:cacheprovider -rfE \
+  step gpu_tests "${TESTS_LIMIT:-390}" env TORCHINDUCTOR_COMPILE_THREADS="${COMPILE_THREADS:-2}" python3 -m pytest -m gpu -v -p no:cacheprovider -rfE \
     "${XDIST[@]}" --durations=15 tests
   tail -25 "$W/gpu_tests.log"
   # micro-benchmarks after the tests, chosen by MICRO (default: all of them, in this order)
