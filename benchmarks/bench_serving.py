@@ -198,8 +198,12 @@ def run(args, on_row=None) -> list[dict]:
         f"{len(args.configs) * sum(args.requests / r for r in rates):.0f} s over the {len(rates) * len(args.configs)} "
         f"runs (each run then drains its last requests)")
     started = time.perf_counter()
-    for r_i, rate in enumerate(rates):
-        for config in args.configs:
+    # near saturation first (the targets' main rate, the one-adapter-at-a-time baseline's only rate with
+    # --grouped-near-only), then low, then overload: a run cut short keeps what the targets read first
+    order = [1, 0, 2] if len(rates) == 3 else list(range(len(rates)))
+    for r_i in order:
+        rate = rates[r_i]
+        for config in sorted(args.configs, key=lambda c: CONFIGS.index(c) if c != "grouped8" else 1.5):
             if config == "grouped8" and args.grouped_near_only and len(rates) == 3 and r_i != 1:
                 continue
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
@@ -225,7 +229,7 @@ def run(args, on_row=None) -> list[dict]:
 
 
 def to_markdown(rows: list[dict]) -> str:
-    runs = [r for r in rows if r["kind"] == "run"]
+    runs = sorted((r for r in rows if r["kind"] == "run"), key=lambda r: r["rate"])  # stable: run order per rate
     setup = rows[0]
     out = [f"Serving, {setup['model']} on {setup['device']}: {setup['requests']} requests per run, prompt "
            f"~{setup['prompt']} / output ~{setup['new']} tokens (+-{100 * setup['jitter']:.0f} %), rank "
