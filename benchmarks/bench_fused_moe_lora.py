@@ -181,6 +181,17 @@ def profile(configs):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
 
 
+def _json_writer(path):
+    """-> ``on_row(results)`` writing the results so far, with the device and versions, to ``path`` (None: no-op):
+    a grid cut short keeps its rows."""
+    def write(results):
+        if path:
+            with open(path, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "triton": triton.__version__, "argv": sys.argv, "results": results}, f, indent=1)
+    return write
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt-oss-20b", "qwen3-30b-a3b"])
@@ -213,13 +224,8 @@ def main(argv=None):
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; MXFP4 "
               f"gpt-oss-20b T={tokens} L={adapters} R={ranks}", flush=True)
 
-        def save_mxfp4(results):
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "triton": triton.__version__, "argv": sys.argv, "results": results}, f, indent=1)
-
-        results = mxfp4_grid(tokens, adapters, ranks, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms, on_row=save_mxfp4)
+        results = mxfp4_grid(tokens, adapters, ranks, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms,
+                             on_row=_json_writer(a.json))
         text = mxfp4_markdown(results) + "\n"
         print(text)
         if a.md:
@@ -231,13 +237,8 @@ def main(argv=None):
         print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}; mixed ranks "
               f"{a.models} T={tokens}", flush=True)
 
-        def save_ranks(results):
-            if a.json:
-                with open(a.json, "w") as f:
-                    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                               "triton": triton.__version__, "argv": sys.argv, "results": results}, f, indent=1)
-
-        results = mixed_ranks_grid(a.models, tokens, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms, on_row=save_ranks)
+        results = mixed_ranks_grid(a.models, tokens, a.sets, a.hbm_tbs, a.warmup_ms, a.rep_ms,
+                                   on_row=_json_writer(a.json))
         text = mixed_ranks_markdown(results) + "\n"
         print(text)
         if a.md:

@@ -18,6 +18,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .counters import ArrivalCounters
 from .attention_kernels import decode_attention_kernel
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -25,7 +26,7 @@ MAX_QUERY_ROWS = 128  # n_rep * S rows of one program (decode / verify steps); m
 MAX_HEAD_DIM = 256
 MAX_SPLITS = 64
 
-_counters: dict[torch.device, Tensor] = {}
+_counters = ArrivalCounters(minimum=1024)
 
 
 def kernel_covers(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], sinks: Optional[Tensor]) -> bool:
@@ -59,21 +60,9 @@ def num_warps(block_d: int, block_n: int) -> int:
     return 8 if block_d * block_n >= 64 * 64 else 4
 
 
-def _counter_buffer(device: torch.device, n: int) -> Tensor:
-    """The device's arrival counters (int32, all zero between launches), at least ``n`` of them."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        # zeroed once (a memset launch here only, never per call); a first call inside a CUDA-graph capture puts it
-        # in the graph's pool, where it stays allocated while this module holds it
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
-
-
 def counters_clear(device: torch.device) -> bool:
     """Whether every arrival counter of ``device`` is back at zero (tests)."""
-    buf = _counters.get(device)
-    return buf is None or not bool(buf.any())
+    return _counters.all_clear(device)
 
 
 def decode_attention_triton(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,
@@ -110,7 +99,7 @@ def decode_attention_triton(query: Tensor, key: Tensor, value: Tensor, mask: Opt
     part_acc = torch.empty((B * Hkv, splits, block_m, block_d), dtype=torch.float32, device=device)
     part_ml = torch.empty((B * Hkv, splits, 2, block_m), dtype=torch.float32, device=device)
     decode_attention_kernel[(B * Hkv, splits)](
-        query, key, value, mask, sinks, out, part_acc, part_ml, _counter_buffer(device, B * Hkv),
+        query, key, value, mask, sinks, out, part_acc, part_ml, _counters.get(device, B * Hkv),
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),

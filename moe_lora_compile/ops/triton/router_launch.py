@@ -17,6 +17,7 @@ import torch
 import triton
 from torch import Tensor
 
+from .counters import ArrivalCounters
 from . import router_kernels as RK
 
 SCORING_IDS = {"topk_softmax": RK.TOPK_SOFTMAX, "softmax_topk": RK.SOFTMAX_TOPK, "topk_sigmoid": RK.TOPK_SIGMOID}
@@ -27,7 +28,7 @@ MAX_TOP_K = 16  # k rounds are unrolled in the kernel
 MAX_EXPERTS = 256  # one program holds a [16, E] tile of logits for the top-k
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_counters: dict[torch.device, Tensor] = {}
+_counters = ArrivalCounters(minimum=64)
 
 
 def kernel_covers(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], top_k: int) -> bool:
@@ -50,17 +51,6 @@ def _block_k(H: int) -> int:
         if H % block == 0:
             return block
     return max(16, min(128, triton.next_power_of_2(H)))
-
-
-def _counter_buffer(device: torch.device, n: int) -> Tensor:
-    """The device's arrival counters (int32, all zero between launches), at least ``n`` of them."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        # zeroed once (a memset launch here only, never per call); a first call inside a CUDA-graph capture puts it
-        # in the graph's pool, where it stays allocated while this module holds it
-        buf = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
 
 
 def route_triton(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], *, top_k: int, scoring: str,
@@ -91,7 +81,7 @@ def route_triton(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], *, top_
     t_blocks = triton.cdiv(T, BLOCK_T)
     part = torch.empty((num_splits, T, e_pad), dtype=torch.float32, device=device)
     RK.route_kernel[(e_blocks * num_splits, t_blocks)](
-        hidden, hidden.stride(0), weight, weight.stride(0), bias, part, _counter_buffer(device, t_blocks),
+        hidden, hidden.stride(0), weight, weight.stride(0), bias, part, _counters.get(device, t_blocks),
         logits, scores, ids, T, E, H, num_splits, k_per_split,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), SCORING=SCORING_IDS[scoring], RENORMALIZE=renormalize,
         HAS_BIAS=bias is not None, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, E_PAD=e_pad, BLOCK_K=block_k,
