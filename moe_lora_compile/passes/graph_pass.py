@@ -25,10 +25,12 @@ from .fx_match import (NoMatch, aten, chain, extend_through_casts, is_call, log,
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every source file whose content changes what the pass does (the matchers follow the reference's op sequence).
-SOURCE_FILES = tuple(os.path.join(_PACKAGE, p) for p in (
-    "passes/graph_pass.py", "passes/fx_match.py", "passes/moe_patterns.py", "passes/linear_patterns.py",
-    "passes/peft_patterns.py", "passes/dense_experts.py", "ops/reference.py", "ops/contract.py", "ops/layout.py",
-))
+# Every module of this package but the vLLM adapter counts, found by listing: a new matcher module cannot be missed.
+SOURCE_FILES = tuple(
+    sorted(os.path.join(_PACKAGE, "passes", f) for f in os.listdir(os.path.join(_PACKAGE, "passes"))
+           if f.endswith(".py") and f not in ("__init__.py", "vllm.py"))
+    + [os.path.join(_PACKAGE, p) for p in ("ops/reference.py", "ops/contract.py", "ops/layout.py")]
+)
 
 
 def _source_hash() -> str:
