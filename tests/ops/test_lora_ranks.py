@@ -152,13 +152,17 @@ LINEAR_PATHS = [
 LINEAR_RANKS = [
     pytest.param([[4, 8, 16, 0]], id="ranks-L"),  # one rank per slot: 4, 8, full, empty
     pytest.param([[4, 8, 0, 2], [8, 1, 0, 8]], id="ranks-2xL"),  # two rank blocks of 8 (fused siblings)
+    # three blocks of 8 (fused q/k/v): R = 24, not a power of two, BLOCK_R 32 past it; ranks 3 and 5 not multiples
+    # of the 8-entry vector the B loads are rounded to
+    pytest.param([[4, 8, 0, 2], [8, 1, 0, 8], [3, 0, 8, 5]], id="ranks-3xL"),
 ]
 
 
 @pytest.mark.parametrize("ranks", LINEAR_RANKS)
 @pytest.mark.parametrize("path", [*LINEAR_PATHS, pytest.param(None, id="reference")])
 def test_lora_linear_stops_at_each_slots_rank(path, ranks):
-    (x, weight, lora_a, lora_b, ids), bias = make_linear(T=6, n_in=32, n_out=24, L=4, R=16, ids="mixed", bias=True,
+    R = 16 if len(ranks) < 3 else 8 * len(ranks)  # blocks of 8 entries
+    (x, weight, lora_a, lora_b, ids), bias = make_linear(T=6, n_in=32, n_out=24, L=4, R=R, ids="mixed", bias=True,
                                                          seed=3)
     (ca, cb), (da, db) = poison_linear(lora_a, lora_b, ranks, blocks=len(ranks))
     expected = lora_linear_oracle(x, weight, ca, cb, ids, bias)

@@ -27,8 +27,9 @@ token's rank vector over one K slice each, no ``tl.dot`` (``[BLOCK_R, BLOCK_K]``
 slot is a scalar per program, tokens without an adapter (``-1``) exit at once, and tokens of one adapter re-read its
 A from L2 (HBM reads each used slot's A once).
 
-Per-slot ranks (``ranks_ptr``, ``rank_block``, ``rank_stride``; :func:`.moe_kernels.rank_mask`): every kernel here
-masks a slot's A rows and B columns past its rank, so those bytes are never read.
+Per-slot ranks (``ranks_ptr``, ``rank_block``, ``rank_stride``, RANK_BLOCKS; :func:`.moe_kernels.rank_mask`): every
+kernel here masks a slot's A rows past its rank (never read) and its B columns past the rank rounded up to 8 entries
+(:func:`.moe_kernels.rank_load_masks`: 16-byte loads kept; the extra entries are zeroed after the load).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .moe_kernels import (_expert_gemm, _load_rank_vectors, _lora_expand, _swizzle, grid_dependency_sync,
-                          launch_dependents, rank_mask)
+                          launch_dependents, rank_load_masks, rank_mask)
 
 _COUNTER_TILE = tl.constexpr(128)
 
@@ -57,20 +58,24 @@ def _slot_group(lora, has_lora, after, SLOTS: tl.constexpr, BLOCK_M: tl.constexp
 
 @triton.jit
 def _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
-                     BLOCK_R: tl.constexpr):
-    """B tiles of a slot group -> [SLOTS, BLOCK_R, BLOCK_N] (zero, not fetched, for a -1 slot and past each slot's
-    rank: :func:`rank_mask`, per rank block): one gathered load, so the group's tiles are in flight together."""
+                     BLOCK_R: tl.constexpr, RANK_BLOCKS: tl.constexpr):
+    """B tiles of a slot group -> [SLOTS, BLOCK_R, BLOCK_N] (zero for a -1 slot, not fetched, and past each slot's
+    rank: :func:`rank_load_masks`, per rank block): one gathered load, so the group's tiles are in flight together."""
     slot = tl.where(slots >= 0, slots, 0)
-    in_rank = rank_mask(ranks_ptr, slot[:, None], tl.arange(0, BLOCK_R)[None, :], R, rank_block, rank_stride, True)
+    load_r, keep_r = rank_load_masks(ranks_ptr, slot[:, None], tl.arange(0, BLOCK_R)[None, :], R, rank_block,
+                                     rank_stride, RANK_BLOCKS)
     ptrs = b_ptr + slot.to(tl.int64)[:, None, None] * stride_bl + b_offs[None, :, :]
-    mask = (slots >= 0)[:, None, None] & in_rank[:, :, None] & b_mask[None, :, :]
-    return tl.load(ptrs, mask=mask, other=0.0)
+    mask = (slots >= 0)[:, None, None] & load_r[:, :, None] & b_mask[None, :, :]
+    b = tl.load(ptrs, mask=mask, other=0.0)
+    if ranks_ptr is not None:
+        b = tl.where(keep_r[:, :, None], b, 0.0)
+    return b
 
 
 @triton.jit
 def _lora_expand_grouped(s, lora, has_lora, slots, b, b_ptr, stride_bl, b_offs, b_mask, ranks_ptr, R, rank_block,
                          rank_stride, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr, RANK_BLOCKS: tl.constexpr):
     """``_lora_expand``'s result (sum over the block's slots l of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N]
     fp32), SLOTS slots a round: the round's B tiles (``b`` [SLOTS, BLOCK_R, BLOCK_N] of ``slots``, the first round
     loaded by the caller, before its PDL wait) come in one gathered load and one batched ``tl.dot``; a block of
@@ -84,7 +89,7 @@ def _lora_expand_grouped(s, lora, has_lora, slots, b, b_ptr, stride_bl, b_offs, 
         delta += tl.sum(tl.where(own[:, :, None], part, 0.0), axis=0)
         slots = _slot_group(lora, has_lora, tl.max(slots, axis=0), SLOTS, BLOCK_M)
         b = _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
-                             BLOCK_R)
+                             BLOCK_R, RANK_BLOCKS)
     return delta
 
 
@@ -93,7 +98,7 @@ def lora_shrink_rows_kernel(
     x_ptr, stride_x, a_ptr, stride_al, stride_ar, s_ptr, split_stride, token_lora_ptr, T, K, R, k_per_split,
     counter_ptr, num_counters,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False,
-    USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
+    USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 1,
 ):
     """s[split, t, :R] = x[t, K slice] @ A[l, :, K slice]^T in fp32, ``l = token_lora[t]``, for tokens with an
     adapter; rows of ``-1`` tokens are not written (the consumer never reads them). Grid (T, SPLIT_K).
@@ -118,7 +123,7 @@ def lora_shrink_rows_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     r_mask = offs_r < R
-    a_mask = rank_mask(ranks_ptr, lora, offs_r, R, rank_block, rank_stride, True)[:, None]
+    a_mask = rank_mask(ranks_ptr, lora, offs_r, R, rank_block, rank_stride, RANK_BLOCKS)[:, None]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     x_ptrs = x_ptr + t.to(tl.int64) * stride_x + offs_k
@@ -146,7 +151,7 @@ def lora_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
-    EXPAND_SLOTS: tl.constexpr = 1, ranks_ptr=None, rank_block=1, rank_stride=0,
+    EXPAND_SLOTS: tl.constexpr = 1, ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 1,
 ):
     """y[t] = x[t] W^T + B[l] s[t] (+ bias), ``l = token_lora[t]`` (no delta for ``-1``). Grid (grid_m * N tiles,
     SPLIT_K). x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k*stride_wk; B element (l, n, r) at
@@ -190,17 +195,17 @@ def lora_linear_kernel(
     if EXPAND_SLOTS > 1:  # the first slot group's B tiles in flight while waiting for the shrink
         slots = _slot_group(lora, has_lora, -1, EXPAND_SLOTS, BLOCK_M)
         b_first = _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
-                                   BLOCK_R)
+                                   BLOCK_R, RANK_BLOCKS)
     grid_dependency_sync(USE_PDL)  # now the shrink's rank vectors and zeroed counters are visible
     launch_dependents(USE_PDL)
     s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
     if EXPAND_SLOTS > 1:
         acc += _lora_expand_grouped(s, lora, has_lora, slots, b_first, b_ptr, stride_bl, b_offs, b_mask,
                                     ranks_ptr, R, rank_block, rank_stride, EXPAND_SLOTS, BLOCK_M, BLOCK_N, BLOCK_R,
-                                    DOT_PRECISION)
+                                    DOT_PRECISION, RANK_BLOCKS)
     else:
         acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, ranks_ptr, R, rank_block,
-                            rank_stride, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, True)
+                            rank_stride, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, RANK_BLOCKS)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if SPLIT_K > 1:
@@ -248,6 +253,7 @@ def lora_gemv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_SPLIT_K: tl.constexpr = False,
     PREFETCH: tl.constexpr = True, USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
+    RANK_BLOCKS: tl.constexpr = 1,
 ):
     """``lora_linear_kernel``'s result for a handful of tokens (T <= BLOCK_T), as a GEMV: no ``tl.dot``, no 16-row
     padding. Grid (cdiv(N, BLOCK_N), split_k). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
@@ -316,15 +322,20 @@ def lora_gemv_kernel(
         if tl.max(has_lora.to(tl.int32), axis=0) > 0:
             offs_r = tl.arange(0, BLOCK_R)
             slot = tl.where(has_lora, lora, 0)
-            s_mask = has_lora[:, None] & rank_mask(ranks_ptr, slot[:, None], offs_r[None, :], R, rank_block,
-                                                   rank_stride, True)  # each token's slot, to its rank
+            # s past a slot's rank is 0 (the shrink's A rows there are masked); B there may hold anything
+            s_mask = has_lora[:, None] & (offs_r < R)[None, :]
             s_ptrs = s_ptr + offs_t.to(tl.int64)[:, None] * R + offs_r[None, :]
             s = tl.load(s_ptrs, mask=s_mask, other=0.0)
             for split in range(1, num_splits):
                 s += tl.load(s_ptrs + split * split_stride, mask=s_mask, other=0.0)
+            load_r, keep_r = rank_load_masks(ranks_ptr, slot[:, None], offs_r[None, :], R, rank_block, rank_stride,
+                                             RANK_BLOCKS)  # each token's slot, to its rank
             b_ptrs = (b_ptr + slot[:, None, None] * stride_bl + offs_n.to(tl.int64)[None, :, None] * stride_bn
                       + offs_r[None, None, :])
-            b = tl.load(b_ptrs, mask=s_mask[:, None, :] & n_mask[None, :, None], other=0.0)
+            b_mask = (has_lora[:, None] & load_r)[:, None, :] & n_mask[None, :, None]
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)
+            if ranks_ptr is not None:
+                b = tl.where(keep_r[:, None, :], b, 0.0)
             out += tl.sum(b.to(tl.float32) * s[:, None, :], axis=2)  # 0 in rows without LoRA (b, s masked)
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]

@@ -82,7 +82,7 @@ def _k_split(K_dim: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
 
 def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_k, mode, block_m,
                    input_by_token, scale_by_weight, cfg, dtype, launch, counters=None, pair_row=None,
-                   per_pair_shrink=False, ranks=None, rank_block=1, rank_stride=0):
+                   per_pair_shrink=False, ranks=None, rank_block=1, rank_stride=0, rank_blocks=0):
     """-> s [SPLIT_K, rows, R] fp32: per split-K slice, inp A[l, e]^T for the rows with LoRA (others unwritten).
 
     ``meta``: ``(row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m)``; what ``mode`` does not read
@@ -90,7 +90,8 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
     (or its dict form). ``counters`` (int32): zeroed on the way (the arrival counters of the kernels after it).
     ``per_pair_shrink`` (SORTED with ``pair_row``, or PER_PAIR mode): one program per pair
     (:func:`.moe_kernels.lora_shrink_pairs_kernel`), same rows written; else one per row block. ``ranks``,
-    ``rank_block``, ``rank_stride``: each slot's rank (:func:`.moe_kernels.rank_mask`; ranks None: all R)."""
+    ``rank_block``, ``rank_stride``, ``rank_blocks``: each slot's rank (:func:`.moe_kernels.rank_mask`; ranks None:
+    all R)."""
     rank_args = dict(ranks_ptr=ranks, rank_block=rank_block, rank_stride=rank_stride)
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
     cfg = ShrinkConfig.of(cfg)
@@ -123,7 +124,8 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
         num_counters=counters.numel() if zero_counters else 0,
         BLOCK_M=block_m, BLOCK_R=_block_r(R), BLOCK_K=block_k, MODE=mode, INPUT_BY_TOKEN=input_by_token,
         SCALE_BY_WEIGHT=scale_by_weight, EVEN_K=even_k, DOT_PRECISION=_dot_precision(dtype),
-        ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **rank_args, **launch)
+        ZERO_COUNTERS=zero_counters, num_warps=cfg.num_warps, num_stages=cfg.num_stages, RANK_BLOCKS=rank_blocks,
+        **rank_args, **launch)
     return s
 
 
@@ -291,13 +293,14 @@ def _launch_shrink_rows(x, a, token_lora_ids, *, R, rows, cfg: ShrinkConfig, lau
 
 def _dense_rank_args(lora_ranks: Optional[Tensor], R: int) -> dict:
     """lora_linear's ``lora_ranks`` ([L], [n, L] or None) as the kernels' ``ranks_ptr``, ``rank_block`` (R/n),
-    ``rank_stride`` (L between the n rows) (:func:`.moe_kernels.rank_mask`)."""
+    ``rank_stride`` (L between the n rows), RANK_BLOCKS (n) (:func:`.moe_kernels.rank_mask`)."""
     if lora_ranks is None:
-        return dict(ranks_ptr=None, rank_block=R, rank_stride=0)
+        return dict(ranks_ptr=None, rank_block=R, rank_stride=0, RANK_BLOCKS=1)
     ranks = lora_ranks.contiguous()
     if ranks.dim() == 1:
-        return dict(ranks_ptr=ranks, rank_block=R, rank_stride=0)
-    return dict(ranks_ptr=ranks, rank_block=R // ranks.shape[0], rank_stride=ranks.shape[1])
+        return dict(ranks_ptr=ranks, rank_block=R, rank_stride=0, RANK_BLOCKS=1)
+    return dict(ranks_ptr=ranks, rank_block=R // ranks.shape[0], rank_stride=ranks.shape[1],
+                RANK_BLOCKS=ranks.shape[0])
 
 
 def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor, token_lora_ids: Tensor, *,
@@ -342,7 +345,7 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
                            R=R, top_k=1, mode=K.DENSE, block_m=cfg.BLOCK_M, input_by_token=True,
                            scale_by_weight=False, cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(),
                            counters=counters, ranks=rank_args["ranks_ptr"], rank_block=rank_args["rank_block"],
-                           rank_stride=rank_args["rank_stride"])
+                           rank_stride=rank_args["rank_stride"], rank_blocks=rank_args["RANK_BLOCKS"])
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, rows, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     DK.lora_linear_kernel[(tiles, split_k)](

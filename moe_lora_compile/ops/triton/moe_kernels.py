@@ -19,10 +19,10 @@ batches a block holds few pairs of many slots, and walking them serially with a 
 block shrink latency-bound (~11 us a launch on the H200 at 8 tokens of 8 adapters, ~1.5 us of bytes): there
 :func:`lora_shrink_pairs_kernel` runs one program per pair instead, writing the same rows.
 
-Per-slot rank (``ranks_ptr``, data): every kernel that reads a slot's factors masks their rank axis with
-:func:`rank_mask`, so the entries past the slot's rank are never loaded (no bytes moved: a rank-8 adapter in
-rank-64 slots reads 1/8 of A, and of B the 32-byte sectors holding its 8 entries per row) and never reach a result,
-whatever they hold. The ranks are read from memory, so loading an adapter of another rank into a slot recompiles
+Per-slot rank (``ranks_ptr``, data): every kernel that reads a slot's factors masks their rank axis, so the
+entries past the slot's rank never reach a result, whatever they hold, and are not loaded: A's rows past it
+(:func:`rank_mask`), B's entries past it rounded up to 8 (:func:`rank_load_masks`, which keeps B's 16-byte vector
+loads; the 32-byte sectors read are the same). A rank-8 adapter in rank-64 slots reads 1/8 of A and of B. The ranks are read from memory, so loading an adapter of another rank into a slot recompiles
 nothing and keeps captured CUDA graphs valid. ``ranks_ptr`` None (constexpr): every slot at the full padded rank.
 
 Top-k sum (w2, PER_PAIR mode, ``TOPK_SUM``): the last-arriving program of a token's k pairs per N tile sums
@@ -51,6 +51,7 @@ _PDL_EARLY, _PDL_LATE = tl.constexpr(PDL_EARLY), tl.constexpr(PDL_LATE)
 _NO_PAIR = tl.constexpr(NO_PAIR)
 _NO_ADAPTER = tl.constexpr(NO_ADAPTER)  # token_lora_ids of a token without adapter
 _NO_SLOT = tl.constexpr(2147483647)  # "no slot" for min-reductions
+RANK_VEC = tl.constexpr(8)  # rank entries a B load reads together: 16 bytes of bf16 (see rank_load_masks)
 _MXFP4 = tl.constexpr(MXFP4)  # W_FORMAT: MXFP4 base weights (:mod:`.mxfp4_kernels`); else dense in x's dtype
 
 
@@ -106,22 +107,55 @@ def _slot_range(lora, has_lora):
 
 
 @triton.jit
-def rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK: tl.constexpr = False):
+def _within_rank(ranks_ptr, slot, offs_r, rank_block, rank_stride, ROUND: tl.constexpr, RANK_BLOCKS: tl.constexpr):
+    """Whether rank entry ``offs_r`` of ``slot`` is inside the slot's rank, each rank rounded up to ROUND entries.
+    RANK_BLOCKS 0: ``rank = ranks[slot]`` (one load), entries ``[0, rank)`` and ``[rank_block, rank_block + rank)``
+    (one block, or the split gate/up form's two halves). RANK_BLOCKS n >= 1: block m (entries from
+    ``m * rank_block``) uses its leading ``ranks[m, slot]`` (rows ``rank_stride`` apart), n loads unrolled: no
+    per-entry gather or integer division, so the mask keeps the alignment a rank rounded to 8 gives it."""
+    if RANK_BLOCKS == 0:
+        rank = tl.load(ranks_ptr + slot)
+        rank = (rank + ROUND - 1) // ROUND * ROUND
+        return (offs_r < rank) | ((offs_r >= rank_block) & (offs_r < rank_block + rank))
+    else:
+        inside = (offs_r + slot * 0) < 0  # all False, in the broadcast shape
+        for m in tl.static_range(RANK_BLOCKS):
+            rank = tl.load(ranks_ptr + m * rank_stride + slot)
+            rank = (rank + ROUND - 1) // ROUND * ROUND
+            inside = inside | ((offs_r >= m * rank_block) & (offs_r < m * rank_block + rank))
+        return inside
+
+
+@triton.jit
+def rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, RANK_BLOCKS: tl.constexpr = 0):
     """Which rank entries ``offs_r`` of slot ``slot`` (int tensors, broadcastable) are read: ``r < R`` and, with
-    ``ranks_ptr``, ``r % rank_block < rank``: the rank axis in equal blocks of ``rank_block`` entries, each block using
-    its leading ``rank`` ones. ``rank``: ``ranks[slot]``, one scalar load (``slot`` a scalar; at most two blocks:
-    one, or the split gate/up form's halves); PER_BLOCK: ``ranks[r // rank_block, slot]``, a gather from int
-    [n, L] ranks with rows ``rank_stride`` apart (fused sibling linears: each member its own rank). ``ranks_ptr``
-    None: ``r < R`` (every slot at the padded rank)."""
+    ``ranks_ptr``, inside the slot's rank: the rank axis in blocks of ``rank_block`` entries, each block using its
+    leading ``rank`` ones (:func:`_within_rank`: RANK_BLOCKS 0, one rank for at most two blocks, as the MoE kernels'
+    ``[L]`` rows and split gate/up form; n, ``ranks[m, slot]`` per block of ``[n, L]`` ranks, as fused sibling
+    linears, each member its own rank). ``ranks_ptr`` None: ``r < R`` (every slot at the padded rank).
+
+    For a tile whose rank axis is *not* its contiguous one (A [.., R, K]): an exact mask costs nothing there. Where
+    the rank axis is contiguous (B [.., N, R]) use :func:`rank_load_masks`."""
     mask = offs_r < R
     if ranks_ptr is not None:
-        if PER_BLOCK:
-            rank = tl.load(ranks_ptr + slot + (offs_r // rank_block) * rank_stride, mask=mask, other=0)
-            mask = mask & ((offs_r % rank_block) < rank)
-        else:  # at most two blocks (R = rank_block, or the split form's halves): no integer division
-            rank = tl.load(ranks_ptr + slot)
-            mask = mask & ((offs_r < rank) | ((offs_r >= rank_block) & (offs_r < rank_block + rank)))
+        mask = mask & _within_rank(ranks_ptr, slot, offs_r, rank_block, rank_stride, 1, RANK_BLOCKS)
     return mask
+
+
+@triton.jit
+def rank_load_masks(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, RANK_BLOCKS: tl.constexpr = 0):
+    """(load, keep) masks of a tile whose rank axis is its contiguous one (B [.., N, R]): ``keep`` is
+    :func:`rank_mask`; ``load`` the same with each rank rounded up to :data:`RANK_VEC` entries. A mask bounded by a
+    rank read from memory has no known alignment, so Triton would load such a tile one element at a time (sm_90
+    SASS: 2-byte loads, +30-60 % instructions, registers up); rounded, it keeps 16-byte vector loads, reads nothing
+    outside the 32-byte sectors the rank's entries occupy, and ``tl.where(keep, tile, 0)`` after the load drops
+    the extra entries whatever they hold."""
+    load = offs_r < R
+    keep = load
+    if ranks_ptr is not None:
+        keep = load & _within_rank(ranks_ptr, slot, offs_r, rank_block, rank_stride, 1, RANK_BLOCKS)
+        load = load & _within_rank(ranks_ptr, slot, offs_r, rank_block, rank_stride, RANK_VEC, RANK_BLOCKS)
+    return load, keep
 
 
 @triton.jit
@@ -139,20 +173,22 @@ def _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK
 @triton.jit
 def _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 PER_BLOCK: tl.constexpr = False):
+                 RANK_BLOCKS: tl.constexpr = 0):
     """sum over slots l in the block of ``s[rows of l] @ B[l]^T`` -> [BLOCK_M, BLOCK_N] fp32.
 
     s [BLOCK_M, BLOCK_R] fp32; b_ptr + l*stride_bl + b_offs addresses B[l]'s tile as [BLOCK_R, BLOCK_N], ``b_mask``
-    its mask, narrowed per slot to the slot's rank (:func:`rank_mask`; ``R``, ``rank_block``, ``rank_stride``,
-    PER_BLOCK).
+    its mask, narrowed per slot to the slot's rank (:func:`rank_load_masks`; ``R``, ``rank_block``,
+    ``rank_stride``, RANK_BLOCKS).
     Each slot's product is kept only in its own rows (``tl.where`` on the result, as the shrink does): zeroing the
     other rows' ``s`` instead would still give ``0 * inf = NaN`` in them for a non-finite value in B[l]."""
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     slot, last = _slot_range(lora, has_lora)
     offs_r = tl.arange(0, BLOCK_R)
     while slot <= last:
-        in_rank = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, PER_BLOCK)
-        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask & in_rank[:, None], other=0.0)
+        load_r, keep_r = rank_load_masks(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, RANK_BLOCKS)
+        b = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + b_offs, mask=b_mask & load_r[:, None], other=0.0)
+        if ranks_ptr is not None:
+            b = tl.where(keep_r[:, None], b, 0.0)
         part = tl.dot(s.to(b.dtype), b, input_precision=DOT_PRECISION)
         delta += tl.where((has_lora & (lora == slot))[:, None], part, 0.0)
         slot = tl.min(tl.where(has_lora & (lora > slot), lora, _NO_SLOT), axis=0)
@@ -209,7 +245,7 @@ def lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
-    ranks_ptr=None, rank_block=1, rank_stride=0,
+    ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 0,
 ):
     """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
     fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
@@ -217,7 +253,8 @@ def lora_shrink_kernel(
 
     ZERO_COUNTERS: also zero ``counter [num_counters]`` int32, the arrival counters of the later kernels of the
     layer (w13 split-K, w2 top-k sum): the shrink is the first kernel of the chain, so no memset launch.
-    ``ranks_ptr``, ``rank_block``, ``rank_stride``: each slot's rank (:func:`rank_mask`, per block in DENSE mode);
+    ``ranks_ptr``, ``rank_block``, ``rank_stride``, RANK_BLOCKS: each slot's rank (:func:`rank_mask`; RANK_BLOCKS
+    n >= 1 for lora_linear's DENSE mode);
     A's rows past it are not read, their entries of s are 0."""
     grid_dependency_sync(USE_PDL)
     pid_m = tl.program_id(0)
@@ -254,7 +291,7 @@ def lora_shrink_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     while slot <= last:
         a_slot_ptr = a_ptr + slot.to(tl.int64) * stride_al + a_offs
-        a_mask = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, MODE == _DENSE)[None, :]
+        a_mask = rank_mask(ranks_ptr, slot, offs_r, R, rank_block, rank_stride, RANK_BLOCKS)[None, :]
         part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             if EVEN_K:
