@@ -198,6 +198,10 @@ def read_adapter_config(path: str) -> AdapterConfig:
         raise ValueError(f"path: adapter folder {path!r}, {e}") from None
 
 
+# PEFT initializations that subtract the initial factors from the base weights (PiSSA is "pissa" or "pissa_niter_N").
+_BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
+
+
 def _read_adapter_config(path: str) -> AdapterConfig:
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
@@ -219,10 +223,21 @@ def _read_adapter_config(path: str) -> AdapterConfig:
         "trainable_token_indices": bool(raw.get("trainable_token_indices")),
         "layer_replication": bool(raw.get("layer_replication")),
         "use_qalora": bool(raw.get("use_qalora")),
+        # LoRA variants whose forward is not x A^T B^T * scale on every token
+        "alora_invocation_tokens": bool(raw.get("alora_invocation_tokens")),
+        "use_bdlora": bool(raw.get("use_bdlora")),
+        **{key: bool(raw.get(key)) for key in ("arrow_config", "velora_config", "monteclora_config", "kasa_config")},
     }
     bad = [name for name, used in unsupported.items() if used]
     if bad:
         raise _config_error(f"uses unsupported PEFT feature(s) {bad}; only plain LoRA is served")
+    init = raw.get("init_lora_weights", True)
+    if isinstance(init, str) and (init.startswith("pissa") or init in _BASE_CHANGING_INITS) or raw.get("loftq_config"):
+        raise _config_error(
+            f"was initialized with init_lora_weights={init!r}{' and a loftq_config' if raw.get('loftq_config') else ''}"
+            ", which changes the base model's weights: its factors are only valid on that modified base. Convert it "
+            "to a plain LoRA of the original base first (PEFT: save_pretrained(..., "
+            "path_initial_model_for_weight_conversion=...)) and load the converted folder")
     if "r" not in raw:
         raise _config_error("has no 'r' (the LoRA rank)")
     use_rslora = raw.get("use_rslora") or False
@@ -412,7 +427,9 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
         for factor in ("a", "a13", "a2"):
             t = getattr(lora, factor, None)
             if t is not None and t.shape[-2] > max_rank:
-                raise _weights_error(f"rank {t.shape[-2]} of {name!r} exceeds max_rank={max_rank} "
+                stacked = (" (per-expert gate and up LoRA with different A's are served as one of rank r_gate + "
+                           "r_up, their A's stacked)" if factor == "a13" and name in per_expert else "")
+                raise _weights_error(f"rank {t.shape[-2]} of {name!r}{stacked} exceeds max_rank={max_rank} "
                                      f"(attach with a larger max_rank)")
     return result
 

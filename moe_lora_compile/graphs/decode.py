@@ -532,7 +532,7 @@ class DecodeGraphs:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: generate needs draft= "
                              f"(a callable giving {self.num_speculative_tokens} tokens per sequence)")
         S = input_ids.shape[-1]
-        steps_worst = max_new_tokens - 1
+        steps_worst = max(max_new_tokens - 1, 1)  # prefill keeps room for one step (see prefill), even for 1 token
         if S + steps_worst * self.query_len > self.max_cache_len:
             raise ValueError(f"max_cache_len={self.max_cache_len} is too small for {S} prompt tokens + "
                              f"{max_new_tokens} new ones at {self.query_len} cache slots per step "

@@ -80,6 +80,7 @@ class MultiLoRAModel(nn.Module):
         self.register_buffer("sequence_lora_ids", torch.full((max_tokens,), NO_ADAPTER, dtype=torch.int32,
                                                              device=device), persistent=False)
         self.lock = threading.RLock()  # held across "write ids, run the model" and across adapter loads
+        self._pins: dict[str, int] = {}  # adapter name -> in-flight requests decoding with it (a ServingEngine's)
         self._sequence_slots = torch.full((1,), NO_ADAPTER, dtype=torch.int32)
         self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
         self.fused_routers: list[str] = []  # routers running as moe_lora.route (module names)
@@ -240,6 +241,7 @@ class MultiLoRAModel(nn.Module):
             self._check_fusion()
             self._check_name(name, replace)  # another thread may have loaded it meanwhile
             if name in self.slots.names:
+                self._check_unpinned(name, "replace")
                 if slot is not None and slot != self.slots.slot_of(name):
                     raise ValueError(f"slot: adapter {name!r} is loaded in slot {self.slots.slot_of(name)}; "
                                      f"replace keeps it there (unload it to move it to slot {slot})")
@@ -261,10 +263,31 @@ class MultiLoRAModel(nn.Module):
                              f"pass replace=True to hot-swap it")
 
     def unload_adapter(self, name: str) -> None:
-        """Zero the slot of ``name`` and free it; KeyError if not loaded. Waits for a running forward."""
+        """Zero the slot of ``name`` and free it; KeyError if not loaded, RuntimeError while requests of a
+        :class:`~moe_lora_compile.serving.ServingEngine` decode with it. Waits for a running forward."""
         with self.lock:
             self._check_fusion()
+            self._check_unpinned(name, "unload")
             self.slots.clear(name)
+
+    def _pin_adapter(self, name: str) -> int:
+        """``name``'s slot, marked in use by one more in-flight request (a serving engine's): unloading or replacing
+        it is refused until :meth:`_unpin_adapter`. KeyError if not loaded."""
+        with self.lock:
+            slot = self.slots.slot_of(name)
+            self._pins[name] = self._pins.get(name, 0) + 1
+            return slot
+
+    def _unpin_adapter(self, name: str) -> None:
+        with self.lock:
+            self._pins[name] -= 1
+            if not self._pins[name]:
+                del self._pins[name]
+
+    def _check_unpinned(self, name: str, action: str) -> None:
+        if self._pins.get(name):
+            raise RuntimeError(f"name: cannot {action} adapter {name!r}: {self._pins[name]} in-flight request(s) "
+                               f"decode with it; let them finish (or cancel them) first")
 
     # --- running ---------------------------------------------------------------------------------------------
     def slots_for(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> list[int]:

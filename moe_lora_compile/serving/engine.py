@@ -35,9 +35,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import numbers
 import threading
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -221,10 +223,10 @@ class ServingEngine:
 
     def _handle(self, r: Request) -> RequestHandle:
         """A checked :class:`RequestHandle` for ``r`` (not queued yet)."""
-        prompt = r.prompt_ids.tolist() if isinstance(r.prompt_ids, torch.Tensor) else r.prompt_ids
-        if (not isinstance(prompt, (list, tuple)) or not prompt
-                or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        prompt = r.prompt_ids.tolist() if hasattr(r.prompt_ids, "tolist") else r.prompt_ids  # tensor, numpy array
+        if not isinstance(prompt, (list, tuple)) or not prompt or not all(_is_int(t) for t in prompt):
             raise ValueError(f"prompt_ids must be a non-empty 1-D list (or tensor) of token ids, got {r.prompt_ids!r}")
+        prompt = [int(t) for t in prompt]
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_ids: ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
@@ -234,26 +236,30 @@ class ServingEngine:
         if len(prompt) + n - 1 > self.graphs.max_cache_len:
             raise ValueError(f"max_new_tokens: {len(prompt)} prompt tokens + {n} new ones need "
                              f"{len(prompt) + n - 1} cache slots, more than max_cache_len={self.graphs.max_cache_len}")
-        if not isinstance(r.temperature, (int, float)) or not math.isfinite(r.temperature) or r.temperature < 0:
+        if not _is_number(r.temperature) or not math.isfinite(r.temperature) or r.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {r.temperature!r}")
-        if not isinstance(r.top_p, (int, float)) or not 0 < r.top_p <= 1:
+        if not _is_number(r.top_p) or not 0 < r.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {r.top_p!r}")
-        if not isinstance(r.top_k, int) or isinstance(r.top_k, bool) or r.top_k < 0:
+        if not _is_int(r.top_k) or r.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {r.top_k!r}")
-        if r.seed is not None and (not isinstance(r.seed, int) or isinstance(r.seed, bool)):
-            raise ValueError(f"seed must be an int or None, got {r.seed!r}")
+        if r.seed is not None and (not _is_int(r.seed) or not -2**63 <= r.seed < 2**63):
+            raise ValueError(f"seed must be an int in [-2**63, 2**63) or None, got {r.seed!r}")
         eos = self.default_eos if r.eos_token_ids is None else r.eos_token_ids
-        eos = [eos] if isinstance(eos, int) else eos
-        if not all(isinstance(t, int) for t in eos):
+        eos = [eos] if _is_int(eos) else eos
+        if not isinstance(eos, (list, tuple, set, frozenset)) or not all(_is_int(t) for t in eos):
             raise ValueError(f"eos_token_ids must be an int or a list of ints, got {r.eos_token_ids!r}")
-        stop = tuple(tuple(s) for s in r.stop)
-        if not all(s and all(isinstance(t, int) for t in s) for s in stop):
-            raise ValueError(f"stop must be a list of non-empty token-id sequences, got {r.stop!r}")
+        if r.eos_token_ids is not None and any(not 0 <= t < self.vocab_size for t in eos):
+            raise ValueError(f"eos_token_ids {r.eos_token_ids!r}: ids outside the vocabulary [0, {self.vocab_size})")
+        if (isinstance(r.stop, (str, bytes)) or not isinstance(r.stop, Sequence)
+                or not all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) and s
+                           and all(_is_int(t) for t in s) for s in r.stop)):
+            raise ValueError(f"stop must be a list of non-empty token-id sequences (e.g. [[13, 13]]), got {r.stop!r}")
+        stop = tuple(tuple(int(t) for t in s) for s in r.stop)
         if r.on_token is not None and not callable(r.on_token):
             raise ValueError(f"on_token must be callable, got {r.on_token!r}")
         self._check_adapter(r.adapter)
-        seed = int(torch.randint(0, 2**62, ())) if r.seed is None else r.seed
-        return RequestHandle(self, r, list(prompt), frozenset(eos), stop, seed)
+        seed = int(torch.randint(0, 2**62, ())) if r.seed is None else int(r.seed)
+        return RequestHandle(self, r, prompt, frozenset(int(t) for t in eos), stop, seed)
 
     def _queue(self, handles: list[RequestHandle]) -> None:
         with self._cond:
@@ -408,11 +414,15 @@ class ServingEngine:
         return self._waiting[0].request.adapter if self._waiting else _ANY
 
     def _acquire(self, adapter) -> tuple[int, bool]:
+        """The adapter's slot for a request being admitted (paged in through the store, or loaded in ``mm``
+        directly), pinned in ``mm`` until the request ends: unloading or replacing it meanwhile is refused."""
         if adapter is None:
             return NO_ADAPTER, False
         if self.store is not None and adapter in self.store:
-            return self.store.acquire([adapter])[0], True
-        return self.mm.adapters[adapter], False
+            slot = self.store.acquire([adapter])[0]
+            self.mm._pin_adapter(adapter)
+            return slot, True
+        return self.mm._pin_adapter(adapter), False
 
     def _prefill(self) -> list[tuple[_Live, torch.Tensor]]:
         """Launch up to ``prefill_chunk`` prompt tokens of the admitted requests, oldest first; returns the
@@ -439,11 +449,11 @@ class ServingEngine:
         tokens = self._sample(torch.stack([logits for _, logits in prefilled]), lives).tolist()
         with self._cond:
             for live, token in zip(lives, tokens):
-                self._prefilling.remove(live)
-                if self._emit(live, token):
+                if self._emit(live, token):  # (a request that ends here is retired by _emit)
+                    self._prefilling.remove(live)
+                    self._running[live.row] = live
                     self.graphs.set_row(live.row, token=token, position=len(live.handle.prompt),
                                         adapter_slot=live.slot)
-                    self._running[live.row] = live
 
     def _launch_decode(self):
         """Launch one decode step of the running requests and its sampling, and start copying the tokens to the
@@ -507,7 +517,12 @@ class ServingEngine:
             handle.first_token_at = now
         self.tokens_generated += 1
         if handle.request.on_token is not None:
-            handle.request.on_token(handle, token)
+            try:
+                handle.request.on_token(handle, token)
+            except Exception as error:  # the callback's failure ends its own request only
+                handle.error = error
+                self._retire(live, "error")
+                return False
         reason = None
         if token in handle.eos:
             reason = "eos"
@@ -528,8 +543,11 @@ class ServingEngine:
         self.graphs.clear_row(live.row)
         self._free_rows.append(live.row)
         self._free_rows.sort()
+        adapter = live.handle.request.adapter
+        if adapter is not None:
+            self.mm._unpin_adapter(adapter)
         if live.held:
-            self.store.release([live.handle.request.adapter])
+            self.store.release([adapter])
         self._finish_handle(live.handle, reason)
 
     def _finish_handle(self, handle: RequestHandle, reason: str) -> None:
@@ -548,3 +566,12 @@ class ServingEngine:
 
 
 _ANY = object()
+
+
+def _is_int(x) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor's item), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)

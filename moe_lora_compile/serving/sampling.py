@@ -41,10 +41,12 @@ def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
 
 def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
                     filtered: Optional[bool] = None) -> Tensor:
-    """``logits [n, V] / temperature [n]`` in float32 with the tokens outside the top-k (``top_k [n]``, 0 = off)
+    """``(logits [n, V] - its row max) / temperature [n]`` in float32 with the tokens outside the top-k (``top_k [n]``, 0 = off)
     and outside the nucleus (``top_p [n]``, 1 = off) set to ``-inf``; the most likely token is always kept.
     ``filtered``: whether any row filters (None: found out from the tensors, a host sync on a GPU)."""
-    scores = logits.float() / temperature.float()[:, None]
+    logits = logits.float()
+    # shifted so that the largest score is 0: a tiny temperature sends the others to -inf, never inf - inf = NaN
+    scores = (logits - logits.amax(-1, keepdim=True)) / temperature.float()[:, None]
     if filtered is None:
         filtered = bool(((top_p < 1) | (top_k > 0)).any())
     if filtered:
@@ -65,7 +67,8 @@ def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, se
     module docstring says. All parameters are ``[n]`` tensors on the logits' device; ``filtered`` as in
     :func:`filtered_scores` (pass it to keep the call free of host syncs)."""
     hot = temperature > 0
-    safe = torch.where(hot, temperature.float(), torch.ones_like(temperature, dtype=torch.float32))
+    # a temperature below float32's range (accepted, > 0) divides by float32's smallest normal instead of 0
+    safe = torch.where(hot, temperature, torch.ones_like(temperature)).float().clamp_min(torch.finfo(torch.float32).tiny)
     scores = filtered_scores(logits, safe, top_p, top_k, filtered)
     noise = uniform_noise(seeds, counters, logits.shape[-1])
     drawn = (scores - torch.log(-torch.log(noise))).argmax(-1)  # log p - log E, E = -log U ~ Exp(1)

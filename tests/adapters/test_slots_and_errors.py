@@ -120,6 +120,18 @@ BAD_FOLDERS = [
      ValueError, "lora_bias"),
     ("modules_to_save", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"modules_to_save": ["lm_head"]}),
      ValueError, "modules_to_save"),
+    # LoRA variants with another forward: activated LoRA (delta only from the invocation tokens on), block-diagonal
+    ("alora", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"alora_invocation_tokens": [5, 6]}),
+     ValueError, "alora_invocation_tokens"),
+    ("bdlora", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"use_bdlora": {"nblocks": 2}}),
+     ValueError, "use_bdlora"),
+    # initializations that change the base weights: valid only on that modified base (PEFT redoes the SVD/QR on load)
+    ("pissa", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"init_lora_weights": "pissa_niter_4"}),
+     ValueError, "changes the base model's weights"),
+    ("olora", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"init_lora_weights": "olora"}),
+     ValueError, "path_initial_model_for_weight_conversion"),
+    ("loftq", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"loftq_config": {"loftq_bits": 4}}),
+     ValueError, "loftq_config"),
     ("nan_weight", lambda a, d: _copy_with(a["paths"]["x"], d, _poison("experts.lora_B", float("nan"))),
      ValueError, "NaN or Inf"),
     ("inf_weight", lambda a, d: _copy_with(a["paths"]["x"], d, _poison("v_proj.lora_A", float("inf"))),

@@ -195,7 +195,12 @@ def test_submit_errors_change_nothing(setup):
                             (dict(max_new_tokens=45), "need 49 cache slots, more than max_cache_len=48"),
                             (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
                             (dict(top_k=-2), "top_k"), (dict(seed=1.5), "seed"), (dict(stop=[[]]), "stop"),
-                            (dict(eos_token_ids=["x"]), "eos_token_ids")]:
+                            (dict(eos_token_ids=["x"]), "eos_token_ids"),
+                            # a seed past int64 failed every live request inside step()
+                            (dict(seed=2**63), r"seed must be an int in \[-2\*\*63"),
+                            (dict(stop=[5, 6]), r"e\.g\. \[\[13, 13\]\]"),  # a flat list: a bare TypeError before
+                            (dict(temperature=True), "temperature"), (dict(top_p=True), "top_p"),  # bools
+                            (dict(eos_token_ids=[10**9]), "outside the vocabulary")]:
         with pytest.raises(ValueError, match=message):
             engine.submit(**{"prompt_ids": p, "max_new_tokens": 4, **kwargs})
     with pytest.raises(KeyError, match="nope"):  # one bad request: none of the list is queued
@@ -227,6 +232,45 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(setup):
     with pytest.raises(RuntimeError, match="cannot be read"):
         bad.result()
     assert store.in_use == {} and "broken" not in setup.model.adapters
+
+
+def test_a_raising_callback_fails_only_its_request(setup):
+    """``on_token`` raising ends its own request with finish_reason "error" (row and adapter freed, result()
+    re-raises the callback's error); the request beside it finishes with its usual tokens. Before, the error
+    escaped step(): the request was lost with its row and adapter held, and result() waited forever."""
+    store = AdapterStore(setup.model)
+    engine = _engine(setup.model, store=store)
+
+    def boom(handle, token):
+        raise RuntimeError("callback boom")
+
+    good = engine.submit(setup.prompts[0], adapter=WORK[0][1], max_new_tokens=WORK[0][2])
+    bad = engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=4, on_token=boom)
+    engine.run()
+    assert good.tokens == setup.want[0] and good.finish_reason == "length"
+    assert bad.finish_reason == "error" and len(bad.tokens) == 1
+    with pytest.raises(RuntimeError, match="callback boom"):
+        bad.result()
+    assert engine.idle and sorted(engine._free_rows) == list(range(4)) and setup.model._pins == {}
+
+
+def test_adapters_in_use_cannot_be_unloaded_or_replaced(setup):
+    """While a request decodes with an adapter (loaded in the model directly, or paged in by the store), unloading
+    or hot-swapping it is refused; once the request ends both work. Before, both were accepted and the request went
+    on with another adapter's factors (or an empty slot)."""
+    mm = setup.model
+    engine = _engine(mm)
+    handle = engine.submit(setup.prompts[0], adapter="alpha", max_new_tokens=WORK[0][2])
+    engine.step()  # admitted: its prompt prefilled
+    with pytest.raises(RuntimeError, match="cannot unload adapter 'alpha': 1 in-flight request"):
+        mm.unload_adapter("alpha")
+    with pytest.raises(RuntimeError, match="cannot replace adapter 'alpha'"):
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "beta"), replace=True)
+    engine.run()
+    assert handle.tokens == setup.want[0] and mm._pins == {}
+    slot = mm.adapters["alpha"]
+    mm.unload_adapter("alpha")
+    assert mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha")) == slot
 
 
 def test_paging_many_adapters_over_few_slots_equals_resident(setup):

@@ -65,3 +65,15 @@ def test_a_rows_draw_depends_only_on_its_logits_seed_and_counter():
     temp[::2] = 0
     mixed = sample(logits, temp, top_p, top_k, seeds, counters)
     assert torch.equal(mixed[::2], logits[::2].argmax(-1)) and torch.equal(mixed[1::2], batch[1::2])
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 1e-300])  # 1e-40: float32 subnormal; 1e-300: below it
+def test_tiny_temperature_is_greedy(temperature):
+    """A temperature > 0 but tiny is the argmax (the limit of softmax(l / T)), whatever the logits' scale: dividing
+    unshifted logits overflowed to inf - inf = NaN and drew arbitrary tokens."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 300, generator=g) * 30
+    n = logits.shape[0]
+    tokens = sample(logits, torch.full((n,), temperature, dtype=torch.float64), torch.full((n,), 0.9),
+                    torch.zeros(n, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    assert torch.equal(tokens, logits.argmax(-1))
