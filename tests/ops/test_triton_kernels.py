@@ -122,6 +122,31 @@ def test_int64_ids_and_empty_batch(per_pair):
     assert fused_moe_lora_triton(*empty, **kwargs).shape == (0, c.H)
 
 
+@pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
+def test_strided_biases_are_read_as_such(per_pair):
+    """Biases whose last dim is not contiguous (a transposed [E, 2I] w13 bias, a column of a wider dense bias): the
+    kernels index a bias row with stride 1, so the launchers copy such views; read as they lie they gave wrong rows."""
+    c = kernel_case(T=5, lora="alternate", bias=True)
+    args, kwargs = c.make(DEVICE)
+    kwargs["w13_bias"] = kwargs["w13_bias"].t().contiguous().t()  # same values, strides (1, E)
+    kwargs["w2_bias"] = torch.stack([kwargs["w2_bias"], -kwargs["w2_bias"]], dim=-1)[..., 0]  # strides (2H, 2)
+    assert kwargs["w13_bias"].stride(-1) != 1 and kwargs["w2_bias"].stride(-1) != 1
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair))
+    torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x, w, a, b = (torch.randn(*shape, generator=g) for shape in ((3, 32), (24, 32), (2, 16, 32), (2, 24, 16)))
+    bias = torch.randn(24, 2, generator=g)[:, 0]  # a column: stride (2,)
+    ids = torch.tensor([0, -1, 1], dtype=torch.int32)
+    for gemv in (True, False):
+        y = lora_linear_triton(*(t.to(DEVICE) for t in (x, w, a, b, ids)), bias=bias.to(DEVICE),
+                               config={"BLOCK_M": 16, "per_token": True, "gemv": gemv,
+                                       "gemm": asdict(GemmConfig(BLOCK_N=16, BLOCK_K=16, GROUP_SIZE_M=2, num_warps=4,
+                                                                 num_stages=1)),
+                                       "shrink": asdict(ShrinkConfig(BLOCK_K=16, SPLIT_K=1, num_warps=4,
+                                                                     num_stages=1))})
+        torch.testing.assert_close(y.cpu().double(), lora_linear_oracle(x, w, a, b, ids, bias), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])
 def test_lora_changes_the_output(per_pair):
     """Guard against a kernel that drops the LoRA delta: with vs without adapters must differ by the delta."""

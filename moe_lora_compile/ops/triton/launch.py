@@ -170,6 +170,8 @@ def fused_moe_lora_triton(
     weights_flat = topk_weights.reshape(-1).contiguous()
     token_lora_ids = token_lora_ids.contiguous()
     a13, b13, a2, b2 = (_last_dim_contiguous(t) for t in (lora_a13, lora_b13, lora_a2, lora_b2))
+    # the kernels index a bias row's entries with stride 1 (and rows with stride(0)): a transposed bias is copied
+    w13_bias, w2_bias = (None if t is None else _last_dim_contiguous(t) for t in (w13_bias, w2_bias))
     ranks13 = ranks2 = None
     if lora_ranks is not None:
         lora_ranks = lora_ranks.contiguous()
@@ -326,6 +328,7 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
     x = _last_dim_contiguous(x)
     token_lora_ids = token_lora_ids.contiguous()
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
+    bias = None if bias is None else bias.contiguous()  # read with stride 1 (a strided view: copied)
     chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=passed)))
     rank_args = _dense_rank_args(lora_ranks, R)
     if cfg.gemv and T <= GEMV_MAX_T and weight.stride(1) == 1:  # (a transposed weight: the GEMM reads it as is)
