@@ -75,6 +75,7 @@ def serve(engine: ServingEngine, arrivals: list[float], requests: list[Request])
     store = engine.store
     before = store.counters if store is not None else None
     steps0, tokens0 = engine.steps, engine.tokens_generated
+    drafts0, kept0 = engine.draft_tokens, engine.accepted_draft_tokens
     pending = deque(zip(arrivals, requests))
     handles = []
     t0 = time.perf_counter()
@@ -99,6 +100,8 @@ def serve(engine: ServingEngine, arrivals: list[float], requests: list[Request])
                ttft_p50_ms=1e3 * _q(ttft, 0.5), ttft_p99_ms=1e3 * _q(ttft, 0.99), itl_p50_ms=1e3 * _q(itl, 0.5),
                itl_p99_ms=1e3 * _q(itl, 0.99), e2e_p50_s=_q(e2e, 0.5),
                mean_batch=(engine.tokens_generated - tokens0 - len(handles)) / max(steps, 1), steps=steps)
+    if engine.num_speculative_tokens:  # mean_batch is then decode tokens per step (rows x tokens kept per row)
+        row.update(draft_tokens=engine.draft_tokens - drafts0, accepted_draft_tokens=engine.accepted_draft_tokens - kept0)
     if store is not None:
         after = store.counters
         row.update(adapter_loads=after.loads - before.loads, evictions=after.evictions - before.evictions,
@@ -171,7 +174,8 @@ def build(args, device, dtype):
     t0 = time.perf_counter()
     engine = ServingEngine(mm, store, max_rows=args.max_rows, max_cache_len=max_cache, batch_sizes=buckets,
                            prefill_chunk=args.prefill_chunk, compile=not args.no_compile,
-                           compile_prefill=not args.eager_prefill, log=log)
+                           compile_prefill=not args.eager_prefill, log=log,
+                           num_speculative_tokens=args.num_speculative_tokens)
     log(f"engine ready ({'compiled, ' if not args.no_compile else ''}buckets {list(engine.graphs.batch_sizes)}, "
         f"{args.max_rows} rows x {max_cache} slots) in {time.perf_counter() - t0:.1f} s")
     return mm, store, engine, vocab, names
@@ -314,6 +318,9 @@ def parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--eager-prefill", action="store_true",
                    help="compile_prefill=False: no prefill compile (~2 min less for a 20B model; TTFT then is the "
                         "eager prefill's)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens per request and step (prompt lookup; random prompts rarely match: this measures "
+                        "the cost of verifying drafts more than their gain)")
     p.add_argument("--grouped-near-only", action="store_true",
                    help="run grouped8 only at the near-saturation rate (its runs are the longest)")
     p.add_argument("--budget-s", type=float, default=None,

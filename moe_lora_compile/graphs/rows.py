@@ -15,9 +15,15 @@ are built from the positions; so which rows run, how long each is and which adap
 guards: requests come and go and replay the same graph (or the same compiled code, no recompile).
 
 Rows that do not run in a step (free, or a request still being prefilled) are padding: pad token, adapter ``-1``,
-position ``max_cache_len``, a scratch slot past the end that no real token reads. Every layer stores
-``max_cache_len + 1`` slots per row and a step attends over all of them (masked), as
+positions ``max_cache_len ..``, scratch slots past the end that no real token reads. Every layer stores
+``max_cache_len + q`` slots per row and a step attends over all of them (masked), as
 :class:`~moe_lora_compile.graphs.DecodeGraphs` does over its slots.
+
+Speculative decoding (``num_speculative_tokens = k > 0``): a step feeds ``q = 1 + k`` tokens per row (the row's last
+token and ``k`` draft tokens, :meth:`RowGraphs.set_row` ``draft=``) at positions ``p .. p + k`` and returns logits
+``[rows, q, V]``; the caller keeps the longest verified prefix and sets the row at its new position next time. Slots
+of rejected drafts are simply written again by the row's next step (slot = position), so nothing stale is ever
+attended to, sliding windows included: the result is exactly what one token a step gives.
 
 The masks are passed to the model ready-made (4-D, or a ``{layer type: mask}`` dict for models that mix full and
 sliding-window layers, e.g. GPT-OSS), so transformers' own mask construction, which assumes one query position for
@@ -31,7 +37,7 @@ prefill once with a dynamic length, as :class:`~moe_lora_compile.graphs.DecodeGr
 compiles every bucket and warms the prefill at lengths 1 and 2 (a length-1 prefill gets its own specialised graph),
 so serving compiles nothing. ``fold_gqa=True`` (default) runs eager attention with the grouped query heads folded
 into the matmuls (:mod:`moe_lora_compile.models.attention`), which matters more here than in short batches: every
-step attends over all ``max_cache_len + 1`` slots of each row.
+step attends over all ``max_cache_len + q`` slots of each row.
 """
 
 from __future__ import annotations
@@ -187,7 +193,8 @@ class RowGraphs:
     :class:`~moe_lora_compile.graphs.DecodeGraphs` (``fold_gqa``: eager attention without ``repeat_kv`` copies of
     the cache; it switches ``mm.model``'s attention implementation for good). ``attention="triton"``: the steps'
     attention runs the flash-decoding Triton kernel (``moe_lora.decode_attention``; prefill unchanged), as in
-    :class:`~moe_lora_compile.graphs.DecodeGraphs`.
+    :class:`~moe_lora_compile.graphs.DecodeGraphs`. ``num_speculative_tokens``: ``k`` draft tokens per row and step
+    (see the module docstring); steps then return ``[rows, 1 + k, V]``.
 
     Low-level use (what :class:`~moe_lora_compile.serving.ServingEngine` does)::
 
@@ -201,14 +208,15 @@ class RowGraphs:
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
                  capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
                  fold_gqa: bool = True, pad_token_id: Optional[int] = None, warmup: int = 2,
-                 log: Optional[Callable[[str], None]] = print, attention: str = "default"):
+                 log: Optional[Callable[[str], None]] = print, attention: str = "default",
+                 num_speculative_tokens: int = 0):
         from ..models.attach import MultiLoRAModel
         from ..models.attention import attention_mode, use_folded_gqa_attention
 
         if not isinstance(mm, MultiLoRAModel):
             raise TypeError(f"mm must be a MultiLoRAModel (from moe_lora_compile.attach), got {type(mm).__name__}")
         for arg, value, low in (("max_rows", max_rows, 1), ("max_cache_len", max_cache_len, 2),
-                                ("prefill_chunk", prefill_chunk, 1)):
+                                ("prefill_chunk", prefill_chunk, 1), ("num_speculative_tokens", num_speculative_tokens, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
         if batch_sizes is None:
@@ -218,9 +226,10 @@ class RowGraphs:
             raise ValueError(f"batch_sizes must be ints in 1..max_rows={max_rows}, got {batch_sizes!r}")
         if sizes[-1] != max_rows:
             raise ValueError(f"batch_sizes: the largest bucket must be max_rows={max_rows}, got {sizes}")
-        if max_rows > mm.token_lora_ids.numel():
-            raise ValueError(f"max_rows={max_rows} exceeds mm.token_lora_ids ({mm.token_lora_ids.numel()}); attach "
-                             f"with a larger max_tokens")
+        q = 1 + num_speculative_tokens
+        if max_rows * q > mm.token_lora_ids.numel():
+            raise ValueError(f"max_rows={max_rows} rows of {q} tokens exceed mm.token_lora_ids "
+                             f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
         param = next(mm.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         if capture is None:
@@ -230,11 +239,12 @@ class RowGraphs:
                              f"capture=False runs the same steps eagerly")
         config = mm.model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        mask_spec(text_config, max_cache_len + 1, self.dtype)  # refuse what per-row masks cannot express first
+        num_slots = max_cache_len + q  # the real slots, then q scratch slots for padding rows
+        mask_spec(text_config, num_slots, self.dtype)  # refuse what per-row masks cannot express first
         self.attention = attention_mode(attention)
         if fold_gqa:
             use_folded_gqa_attention(mm.model)
-        self.spec = mask_spec(text_config, max_cache_len + 1, self.dtype)
+        self.spec = mask_spec(text_config, num_slots, self.dtype)
         options = compile_options(compile)
         self.compiled = options is not None
         self.compiled_prefill = self.compiled and bool(compile_prefill)
@@ -247,6 +257,7 @@ class RowGraphs:
 
         self.mm = mm
         self.max_rows, self.max_cache_len = max_rows, max_cache_len
+        self.num_speculative_tokens, self.query_len = num_speculative_tokens, q
         self.batch_sizes = tuple(sizes)
         self.prefill_chunk = min(prefill_chunk, mm.token_lora_ids.numel())
         self.use_graphs, self.warmup, self.log = bool(capture), warmup, log
@@ -263,14 +274,20 @@ class RowGraphs:
 
         dev, R = self.device, max_rows
         on_cuda = dev.type == "cuda"
-        self._host_inputs = torch.zeros((3, R), dtype=torch.long, pin_memory=on_cuda)  # token, position, slot
-        self._inputs = torch.zeros((3, R), dtype=torch.long, device=dev)
-        self._tokens = self._inputs[0].view(R, 1)
-        self._positions = self._inputs[1].view(R, 1)
+        # staged per row: q tokens, q positions, the adapter slot (rows of this [2q + 1, R] block); one copy a step
+        self._host_inputs = torch.zeros((2 * q + 1, R), dtype=torch.long, pin_memory=on_cuda)
+        self._inputs = torch.zeros((2 * q + 1, R), dtype=torch.long, device=dev)
+        if q == 1:  # views of the copied block
+            self._tokens, self._positions = self._inputs[0].view(R, 1), self._inputs[1].view(R, 1)
+        else:  # [R, q] contiguous, filled from the block (models may view() their inputs)
+            self._tokens = torch.zeros((R, q), dtype=torch.long, device=dev)
+            self._positions = torch.zeros((R, q), dtype=torch.long, device=dev)
         self._row_slots = torch.full((R,), NO_ADAPTER, dtype=torch.int32, device=dev)
+        # per-token slots, sequence-major (one token a row: the row slots themselves)
+        self._ids = self._row_slots if q == 1 else torch.full((R * q,), NO_ADAPTER, dtype=torch.int32, device=dev)
         self._prefill_row = torch.zeros((1, 1), dtype=torch.long, device=dev)
         self._prefill_positions = torch.zeros((1, self.prefill_chunk), dtype=torch.long, device=dev)
-        self._storage = SharedKVStorage(R, max_cache_len + 1)
+        self._storage = SharedKVStorage(R, num_slots)
         layers = text_config.num_hidden_layers
         rows = torch.arange(R, device=dev)[:, None]
         self._caches = {b: RowCache(self._storage, layers, rows[:b], self._positions[:b], b) for b in sizes}
@@ -290,19 +307,31 @@ class RowGraphs:
                 return b
         raise ValueError(f"num_rows={num_rows} exceeds max_rows={self.max_rows}")
 
-    def set_row(self, row: int, *, token: int, position: int, adapter_slot: int = NO_ADAPTER) -> None:
+    def set_row(self, row: int, *, token: int, position: int, adapter_slot: int = NO_ADAPTER,
+                draft: Optional[Sequence[int]] = None) -> None:
         """Row ``row`` feeds ``token`` at ``position`` (its cache slot) with ``adapter_slot`` in the next steps
-        (host staging; copied to the device by :meth:`step`)."""
+        (host staging; copied to the device by :meth:`step`). With speculative decoding, ``draft`` (``k`` ids) follows
+        ``token`` at ``position + 1 ..`` (None: pad tokens, which the verification will reject)."""
         if not 0 <= position < self.max_cache_len:
             raise ValueError(f"position {position} is outside the cache (max_cache_len={self.max_cache_len})")
-        self._host_inputs[:, row] = torch.tensor([token, position, adapter_slot])
+        q = self.query_len
+        if draft is None:
+            draft = [self.pad_token_id] * (q - 1)
+        elif len(draft) != q - 1:
+            raise ValueError(f"draft: {q - 1} tokens (num_speculative_tokens), got {len(draft)}")
+        self._host_inputs[:, row] = torch.tensor([token, *draft, *range(position, position + q), adapter_slot])
 
     def clear_row(self, row: int) -> None:
-        """Row ``row`` is padding in the next steps: pad token, adapter -1, the scratch slot."""
-        self._host_inputs[:, row] = torch.tensor([self.pad_token_id, self.max_cache_len, NO_ADAPTER])
+        """Row ``row`` is padding in the next steps: pad tokens, adapter -1, the scratch slots."""
+        q = self.query_len
+        self._host_inputs[:, row] = torch.tensor([self.pad_token_id] * q
+                                                 + list(range(self.max_cache_len, self.max_cache_len + q)) + [NO_ADAPTER])
 
     def advance(self, rows: Sequence[int], tokens: Sequence[int]) -> None:
-        """Each of ``rows`` feeds its token of ``tokens`` at its next position (after a step that fed it)."""
+        """Each of ``rows`` feeds its token of ``tokens`` at its next position (after a step that fed it; one token
+        a step only: with speculative decoding the caller sets each row with :meth:`set_row`)."""
+        if self.query_len != 1:
+            raise RuntimeError("advance: with num_speculative_tokens > 0 set each row with set_row(..., draft=...)")
         index = torch.tensor(rows, dtype=torch.long)
         self._host_inputs[0, index] = torch.tensor(tokens, dtype=torch.long)
         self._host_inputs[1, index] += 1
@@ -347,11 +376,21 @@ class RowGraphs:
         memory on CUDA: change them only after this step's results were read on the host)."""
         batch = self.bucket_for(num_rows)
         self._inputs.copy_(self._host_inputs, non_blocking=True)  # all rows: one contiguous (pinned) copy
-        self._row_slots[:batch].copy_(self._inputs[2, :batch])
+        self._unpack_inputs(batch)
         with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap
-            self.mm.write_lora_ids(self._row_slots[:batch], 1)
+            self.mm.write_lora_ids(self._ids[: batch * self.query_len], self.query_len)
             logits = self._run_step(batch)
-        return logits[:num_rows, -1]
+        return logits[:num_rows, -1] if self.query_len == 1 else logits[:num_rows]
+
+    def _unpack_inputs(self, batch: int) -> None:
+        """Device side of a step's inputs from the copied block: per-token adapter slots (and, with drafts, the
+        [R, q] token and position buffers)."""
+        q = self.query_len
+        self._row_slots[:batch].copy_(self._inputs[2 * q, :batch])
+        if q > 1:
+            self._tokens[:batch].copy_(self._inputs[:q, :batch].t())
+            self._positions[:batch].copy_(self._inputs[q: 2 * q, :batch].t())
+            self._ids[: batch * q].view(batch, q).copy_(self._row_slots[:batch, None].expand(batch, q))
 
     def _forward_step(self, batch: int) -> Tensor:
         from ..models.attention import decode_attention_steps
@@ -383,8 +422,9 @@ class RowGraphs:
         if not self._storage.allocated:
             batch = self.max_rows
             self._inputs[:, :batch].copy_(self._host_inputs[:, :batch])
+            self._unpack_inputs(batch)
             with self.mm.manual_token_lora_ids():
-                self.mm.write_lora_ids(self._row_slots[:batch], 1)
+                self.mm.write_lora_ids(self._ids[: batch * self.query_len], self.query_len)
                 _row_step_forward(self.mm.model, self._tokens[:batch], self._positions[:batch], self._caches[batch],
                                   self.spec, self._cache_kw, self._step_extra)
         for cache in (*self._caches.values(), self._prefill_cache):
@@ -405,7 +445,7 @@ class RowGraphs:
             self.clear_row(row)
         order = sorted(self.batch_sizes, reverse=True)
         self._inputs.copy_(self._host_inputs)
-        self._row_slots.fill_(NO_ADAPTER)
+        self._unpack_inputs(self.max_rows)
         if not self.use_graphs:
             for i, batch in enumerate(order if self.compiled else [], 1):
                 t0 = time.perf_counter()
@@ -421,7 +461,7 @@ class RowGraphs:
         pool = torch.cuda.graph_pool_handle()
         for i, batch in enumerate(order, 1):
             t0 = time.perf_counter()
-            self.mm.write_lora_ids(self._row_slots[:batch], 1)
+            self.mm.write_lora_ids(self._ids[: batch * self.query_len], self.query_len)
             side = torch.cuda.Stream(device=self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):

@@ -34,3 +34,17 @@ def test_serve_bench_tiny_writes_json_markdown_and_png(tmp_path, capsys):
         assert open(out["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     else:
         assert "--png needs matplotlib" in printed.err
+
+
+def test_serve_bench_with_draft_tokens(tmp_path):
+    """--num-speculative-tokens: the engine verifies prompt-lookup drafts; the runs record the draft counters and
+    still produce every request's max_new_tokens."""
+    out = str(tmp_path / "spec.json")
+    argv = ["serve-bench", "--requests", "3", "--new", "6", "--jitter", "0", "--rates", "1000", "--configs", "lora8",
+            "--num-speculative-tokens", "2", "--json", out]
+    if torch.cuda.is_available():
+        argv.insert(1, "--tiny")
+    assert main(argv) == 0
+    (run,) = [r for r in json.load(open(out)) if r["kind"] == "run"]
+    assert run["output_tokens"] == 3 * 6 and run["draft_tokens"] > 0
+    assert 0 <= run["accepted_draft_tokens"] <= run["draft_tokens"]

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from moe_lora_compile.__main__ import build
 from moe_lora_compile.models import attach
-from moe_lora_compile.serving import AdapterStore, Request, ServingEngine
+from moe_lora_compile.serving import AdapterStore, PromptLookupDraft, Request, ServingEngine
 
 from engine_helpers import alone, prompt, random_adapter
 
@@ -297,13 +297,17 @@ def _compiled_frames() -> int:
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"])  # Dynamo traces it faster than GPT-OSS
-def test_compiled_no_recompiles_as_requests_come_and_go(setup, family):
+@pytest.mark.parametrize("spec", [0, 2], ids=["one-token-steps", "speculative-2"])
+def test_compiled_no_recompiles_as_requests_come_and_go(setup, family, spec):
     """compile= (Dynamo with the eager backend: the recompile decisions are Dynamo's, Inductor is not needed to see
     them): capture() compiles the one bucket's step and the prefill at lengths 1 and 2; then requests of new
-    lengths, rows, adapters, a chunked prefill and a length-1 prompt compile nothing, with the same tokens."""
+    lengths, rows, adapters, a chunked prefill and a length-1 prompt compile nothing, with the same tokens (with
+    draft tokens too: kept and rejected drafts are data)."""
     torch._dynamo.reset()
     counters.clear()
-    engine = _engine(setup.model, batch_sizes=(4,), compile={"backend": "eager"})
+    draft = _ReferenceDraft(setup.prompts, setup.want) if spec else None
+    engine = _engine(setup.model, batch_sizes=(4,), compile={"backend": "eager"}, num_speculative_tokens=spec,
+                     draft=draft)
     frames = _compiled_frames()
     assert frames == 3
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -323,27 +327,31 @@ def _gpu_models(tmp_path, family, max_loras):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family, compiled", [
-    ("gpt_oss", False),    # eager attention with sinks, sliding window: a dict of masks
-    ("gpt_oss", True),     # the compiled step captured (Inductor, one graph per bucket)
-    ("qwen3_moe", False),  # SDPA, one boolean mask
+@pytest.mark.parametrize("family, compiled, spec", [
+    ("gpt_oss", False, 0),    # eager attention with sinks, sliding window: a dict of masks
+    ("gpt_oss", True, 0),     # the compiled step captured (Inductor, one graph per bucket)
+    ("qwen3_moe", False, 0),  # SDPA, one boolean mask
+    ("gpt_oss", True, 3),     # speculative steps of 1 + 3 tokens a row, captured
 ])
-def test_gpu_captured_engine_equals_each_alone(tmp_path, family, compiled):
+def test_gpu_captured_engine_equals_each_alone(tmp_path, family, compiled, spec):
     """With CUDA graphs (and the Triton ops) the engine's tokens are those of mm.generate alone, and requests
     coming and going recapture nothing."""
     s, mm = _gpu_models(tmp_path, family, max_loras=4)
     for name in ("alpha", "beta", "gamma"):
         mm.load_adapter(name, str(tmp_path / name))
     prompts = [prompt(n, seed=i) for i, (n, _, _) in enumerate(WORK)]
-    engine = _engine(mm, compile=compiled)
+    want = [alone(mm, p, a, m) for p, (_, a, m) in zip(prompts, WORK)]
+    engine = _engine(mm, compile=compiled, num_speculative_tokens=spec,
+                     draft=_ReferenceDraft(prompts, want) if spec else None)
     assert engine.graphs.use_graphs and engine.graphs.num_captures == len(engine.graphs.batch_sizes)
     handles = [engine.submit(p, adapter=a, max_new_tokens=m) for p, (_, a, m) in zip(prompts[:3], WORK)]
     engine.step()
     engine.step()
     handles += [engine.submit(p, adapter=a, max_new_tokens=m) for p, (_, a, m) in zip(prompts[3:], WORK[3:])]
     engine.run()
-    assert [h.tokens for h in handles] == [alone(mm, p, a, m) for p, (_, a, m) in zip(prompts, WORK)]
+    assert [h.tokens for h in handles] == want
     assert engine.graphs.num_captures == len(engine.graphs.batch_sizes)  # nothing recaptured
+    assert not spec or engine.accepted_draft_tokens > 0
 
 
 @pytest.mark.gpu
@@ -420,3 +428,95 @@ def test_models_per_row_masks_cannot_express_are_refused():
     config = tiny_config("gpt_oss", sliding_window=None)
     with pytest.raises(ValueError, match="without a sliding_window"):
         mask_spec(config, 8, torch.float32)
+
+
+class _ReferenceDraft:
+    """Drafts the reference continuation of each prompt (``want``), with its middle draft token wrong every other
+    step of a request: steps with every draft kept, with some kept, and with none (a wrong first one) all occur."""
+
+    def __init__(self, prompts, want, vocab=128):
+        self.want = {tuple(p): w for p, w in zip(prompts, want)}
+        self.vocab, self.calls = vocab, 0
+
+    def __call__(self, handles, k):
+        self.calls += 1
+        out = []
+        for h in handles:
+            ref, i = self.want[tuple(h.prompt)], len(h.tokens)
+            draft = [ref[i + j] if i + j < len(ref) else 0 for j in range(k)]
+            if (i // 2) % 2:
+                wrong = (i // 4) % k  # the first, middle or last draft token
+                draft[wrong] = (draft[wrong] + 1) % self.vocab
+            out.append(draft)
+        return out
+
+
+@both
+def test_speculative_engine_equals_each_alone(setup, family):
+    """num_speculative_tokens=3 with drafts right, partly right and wrong: every request gets exactly the tokens
+    mm.generate gives it alone (eos and max_new_tokens cutting through a step's kept drafts), in fewer steps than
+    one token a step; the counters see drafts kept and drafts rejected."""
+    drafter = _ReferenceDraft(setup.prompts, setup.want)
+    engine = _engine(setup.model, num_speculative_tokens=3, draft=drafter)
+    handles = engine.generate_many([Request(p, adapter=a, max_new_tokens=n)
+                                    for p, (_, a, n) in zip(setup.prompts, WORK)])
+    assert [h.tokens for h in handles] == setup.want
+    plain = _engine(setup.model)
+    plain.generate_many([Request(p, adapter=a, max_new_tokens=n) for p, (_, a, n) in zip(setup.prompts, WORK)])
+    assert engine.steps < plain.steps and drafter.calls == engine.steps
+    assert 0 < engine.accepted_draft_tokens < engine.draft_tokens
+    assert engine.idle and sorted(engine._free_rows) == [0, 1, 2, 3]
+
+
+def test_speculative_sampling_and_stops_equal_one_token_steps(setup):
+    """The default drafter (prompt lookup), requests sampled with seeds beside greedy ones, an eos and a stop
+    sequence: the same tokens and finish reasons as the engine without drafts (sampling position j of a step uses
+    the noise of output index len(tokens) + j)."""
+    mm, p = setup.model, setup.prompts[1]
+    ref = alone(mm, p, "beta", 12, eos=[])
+    hot = dict(max_new_tokens=10, temperature=1.3, top_p=0.9, eos_token_ids=())
+    requests = [Request(setup.prompts[3], adapter="gamma", seed=7, **hot), Request(p * 2, adapter=None, seed=3, **hot),
+                Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=[ref[5]]),
+                Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=(), stop=[ref[3:5]]),
+                Request(setup.prompts[0], adapter="alpha", max_new_tokens=9)]
+    plain = _engine(mm).generate_many(requests)
+    expected = [(h.tokens, h.finish_reason) for h in plain]
+    assert plain[2].finish_reason == "eos" and plain[3].finish_reason == "stop"
+    spec = _engine(mm, num_speculative_tokens=2).generate_many(requests)  # prompt lookup: mostly rejected here
+    assert [(h.tokens, h.finish_reason) for h in spec] == expected
+    # drafts of the sampled continuations themselves (partly wrong): kept drafts of sampled requests
+    longest = {}
+    for r, h in zip(requests, plain):
+        longest[tuple(r.prompt_ids)] = max(longest.get(tuple(r.prompt_ids), []), h.tokens, key=len)
+    engine = _engine(mm, num_speculative_tokens=2, draft=_ReferenceDraft(list(longest), list(longest.values())))
+    spec = engine.generate_many(requests)
+    assert [(h.tokens, h.finish_reason) for h in spec] == expected and engine.accepted_draft_tokens > 0
+
+
+def test_malformed_drafts_fail_clearly(setup):
+    engine = _engine(setup.model, num_speculative_tokens=2, draft=lambda handles, k: [[1, 2, 3]] * len(handles))
+    handle = engine.submit(setup.prompts[0], adapter="alpha", max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"draft must return \[1, 2\] integer token ids"):
+        handle.result()  # the step that asked for drafts raises (and fails the live requests)
+    assert handle.finish_reason == "error" and engine.idle and setup.model._pins == {}
+    with pytest.raises(ValueError, match="draft must be callable"):
+        _engine(setup.model, num_speculative_tokens=2, draft=[1, 2])
+
+
+def test_prompt_lookup_draft():
+    """The tokens after the latest earlier occurrence of the longest matching suffix (up to 3 tokens); none: the
+    last token repeated; the index follows the request's new tokens."""
+
+    class H:
+        def __init__(self, prompt, tokens):
+            self.prompt, self.tokens = prompt, tokens
+
+    draft = PromptLookupDraft(max_ngram=3)
+    h = H([5, 1, 2, 3, 9, 1, 2, 3, 4, 7, 2, 3], [])
+    assert draft([h], 3) == [[4, 7, 2]]  # suffix [7, 2, 3] unseen, [2, 3] last followed by 4
+    h.tokens += [4]  # [.., 2, 3, 4]: followed by 7 before
+    assert draft([h], 4) == [[7, 2, 3, 4]]
+    assert draft([H([8, 6], [])], 2) == [[6, 6]]  # no match
+    assert draft([H([1, 2, 1], [])], 3) == [[2, 1, 1]]  # continuation shorter than k: its last token repeated
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookupDraft(max_ngram=0)
