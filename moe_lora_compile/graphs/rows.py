@@ -314,6 +314,8 @@ class RowGraphs:
         ``token`` at ``position + 1 ..`` (None: pad tokens, which the verification will reject)."""
         if not 0 <= position < self.max_cache_len:
             raise ValueError(f"position {position} is outside the cache (max_cache_len={self.max_cache_len})")
+        if not NO_ADAPTER <= adapter_slot < self.mm.max_loras:  # replayed steps read the slot unchecked
+            raise ValueError(f"adapter_slot must be -1 or a slot in [0, {self.mm.max_loras}), got {adapter_slot}")
         q = self.query_len
         if draft is None:
             draft = [self.pad_token_id] * (q - 1)
@@ -346,6 +348,8 @@ class RowGraphs:
         n = tokens.numel()
         if not 1 <= n <= self.prefill_chunk:
             raise ValueError(f"tokens: a prefill chunk has 1..{self.prefill_chunk} tokens, got {n}")
+        if not NO_ADAPTER <= adapter_slot < self.mm.max_loras:
+            raise ValueError(f"adapter_slot must be -1 or a slot in [0, {self.mm.max_loras}), got {adapter_slot}")
         if start < 0 or start + n > self.max_cache_len:
             raise ValueError(f"tokens: slots {start}..{start + n - 1} are outside the cache "
                              f"(max_cache_len={self.max_cache_len})")

@@ -430,6 +430,21 @@ def test_models_per_row_masks_cannot_express_are_refused():
         mask_spec(config, 8, torch.float32)
 
 
+def test_row_inputs_are_checked_on_the_host(setup):
+    """Replayed steps read each row's adapter slot unchecked (a slot past the stacks would read out of bounds), so
+    set_row and prefill check it, and the draft's length, before staging anything."""
+    graphs = _engine(setup.model, num_speculative_tokens=2).graphs
+    for bad in (setup.model.max_loras, -2):
+        with pytest.raises(ValueError, match="adapter_slot must be -1 or a slot"):
+            graphs.set_row(0, token=5, position=3, adapter_slot=bad)
+        with pytest.raises(ValueError, match="adapter_slot must be -1 or a slot"):
+            graphs.prefill(0, [5, 6], adapter_slot=bad)
+    with pytest.raises(ValueError, match="draft: 2 tokens"):
+        graphs.set_row(0, token=5, position=3, draft=[1])
+    with pytest.raises(RuntimeError, match="set_row"):
+        graphs.advance([0], [5])
+
+
 class _ReferenceDraft:
     """Drafts the reference continuation of each prompt (``want``), with its middle draft token wrong every other
     step of a request: steps with every draft kept, with some kept, and with none (a wrong first one) all occur."""
