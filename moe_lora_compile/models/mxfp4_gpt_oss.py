@@ -115,7 +115,7 @@ class GptOssMxfp4Experts(nn.Module):
         alpha, limit = self.moe_lora_activation_constants
         kwargs = dict(w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias, layout=self.moe_lora_layout,
                       activation=self.moe_lora_activation, alpha=alpha, limit=limit,
-                      routing_weight_on_input=self.moe_lora_routing_on_input)
+                      routing_weight_on_input=self.moe_lora_routing_on_input, lora_ranks=self.lora_ranks)
         lora = (self.lora_a13, self.lora_b13, self.lora_a2, self.lora_b2)
         if self.moe_lora_use_ops:  # plain tensors into the op (no Mxfp4Weight to trace under torch.compile)
             return torch.ops.moe_lora.fused_moe_lora_mxfp4(

@@ -23,24 +23,26 @@ from torch import Tensor
 from . import cuda_impl
 from .autograd import frozen_input_error, recompute_grads
 from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_mxfp4_args,
-                       check_index_values)
+                       check_index_values, check_lora_ranks, check_rank_values)
 from .layout import TRANSPOSED_INTERLEAVED
 from .mxfp4 import Mxfp4Weight, fused_moe_lora_mxfp4_reference
 
 CORE_ARGS = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13_blocks", "w13_scales", "w2_blocks",
-             "w2_scales", "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias")
+             "w2_scales", "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias", "lora_ranks")
 _GRAD_POSITIONS = (0, 2, 8, 9, 10, 11)  # x, topk_weights, the LoRA stacks
 _FROZEN_POSITIONS = (12, 13)  # the biases (blocks and scales are uint8: never differentiable)
 
 
 def _check(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13,
-           lora_b13, lora_a2, lora_b2, w13_bias, w2_bias, layout, activation, values: bool) -> None:
+           lora_b13, lora_a2, lora_b2, w13_bias, w2_bias, lora_ranks, layout, activation, values: bool) -> None:
     check_fused_moe_lora_mxfp4_args(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks,
                                     w2_scales, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias, w2_bias, layout,
                                     activation)
+    check_lora_ranks(lora_ranks, 2, lora_a13.shape[0], lora_a13.shape[2], x, what="[2, L] (w13 and w2 rank per slot)")
     if values:
         check_index_values("topk_ids", topk_ids, 0, w13_blocks.shape[0])
         check_index_values("token_lora_ids", token_lora_ids, NO_ADAPTER, lora_a13.shape[0])
+        check_rank_values(lora_ranks, (lora_a13.shape[2], lora_a2.shape[2]))
 
 
 def _reference(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13,
@@ -68,6 +70,7 @@ def _fused_moe_lora_mxfp4_op(
     lora_b2: Tensor,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
     *,
     layout: str = TRANSPOSED_INTERLEAVED,
     activation: str = "gptoss_swiglu",
@@ -77,21 +80,21 @@ def _fused_moe_lora_mxfp4_op(
 ) -> Tensor:
     args = (x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13,
             lora_b13, lora_a2, lora_b2, w13_bias, w2_bias)
-    _check(*args, layout, activation, values=True)
+    _check(*args, lora_ranks, layout, activation, values=True)
     return _reference(*args, layout=layout, activation=activation, alpha=alpha, limit=limit,
-                      routing_weight_on_input=routing_weight_on_input)
+                      routing_weight_on_input=routing_weight_on_input, lora_ranks=lora_ranks)
 
 
 @_fused_moe_lora_mxfp4_op.register_kernel("cuda")
 def _fused_moe_lora_mxfp4_cuda(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks,
-                               w2_scales, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias=None, w2_bias=None, *,
-                               layout=TRANSPOSED_INTERLEAVED, activation="gptoss_swiglu", alpha=GPTOSS_ALPHA,
-                               limit=GPTOSS_LIMIT, routing_weight_on_input=False):
+                               w2_scales, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias=None, w2_bias=None,
+                               lora_ranks=None, *, layout=TRANSPOSED_INTERLEAVED, activation="gptoss_swiglu",
+                               alpha=GPTOSS_ALPHA, limit=GPTOSS_LIMIT, routing_weight_on_input=False):
     args = (x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13,
             lora_b13, lora_a2, lora_b2)
-    _check(*args, w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device())
+    _check(*args, w13_bias, w2_bias, lora_ranks, layout, activation, values=cuda_impl.check_values_on_device())
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
-                  limit=limit, routing_weight_on_input=routing_weight_on_input)
+                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_ranks=lora_ranks)
     if cuda_impl._kernel_covers(x, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias, w2_bias):
         from .triton.launch import fused_moe_lora_mxfp4_triton
 
@@ -101,11 +104,11 @@ def _fused_moe_lora_mxfp4_cuda(x, topk_ids, topk_weights, token_lora_ids, w13_bl
 
 @_fused_moe_lora_mxfp4_op.register_fake
 def _fused_moe_lora_mxfp4_fake(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks,
-                               w2_scales, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias=None, w2_bias=None, *,
-                               layout=TRANSPOSED_INTERLEAVED, activation="gptoss_swiglu", alpha=GPTOSS_ALPHA,
-                               limit=GPTOSS_LIMIT, routing_weight_on_input=False):
+                               w2_scales, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias=None, w2_bias=None,
+                               lora_ranks=None, *, layout=TRANSPOSED_INTERLEAVED, activation="gptoss_swiglu",
+                               alpha=GPTOSS_ALPHA, limit=GPTOSS_LIMIT, routing_weight_on_input=False):
     _check(x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13,
-           lora_b13, lora_a2, lora_b2, w13_bias, w2_bias, layout, activation, values=False)
+           lora_b13, lora_a2, lora_b2, w13_bias, w2_bias, lora_ranks, layout, activation, values=False)
     return x.new_empty(x.shape)
 
 
@@ -126,6 +129,7 @@ def _fused_moe_lora_mxfp4_backward_op(
     lora_b2: Tensor,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
     *,
     layout: str = TRANSPOSED_INTERLEAVED,
     activation: str = "gptoss_swiglu",
@@ -137,7 +141,7 @@ def _fused_moe_lora_mxfp4_backward_op(
     args = (x, topk_ids, topk_weights, token_lora_ids, w13_blocks, w13_scales, w2_blocks, w2_scales, lora_a13,
             lora_b13, lora_a2, lora_b2)
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
-                  limit=limit, routing_weight_on_input=routing_weight_on_input)
+                  limit=limit, routing_weight_on_input=routing_weight_on_input, lora_ranks=lora_ranks)
     return recompute_grads(_reference, grad_y, args, kwargs, _GRAD_POSITIONS)
 
 
@@ -179,6 +183,7 @@ def fused_moe_lora_mxfp4(
     *,
     w13_bias: Optional[Tensor] = None,
     w2_bias: Optional[Tensor] = None,
+    lora_ranks: Optional[Tensor] = None,
     layout: str = TRANSPOSED_INTERLEAVED,
     activation: str = "gptoss_swiglu",
     alpha: float = GPTOSS_ALPHA,
@@ -189,8 +194,9 @@ def fused_moe_lora_mxfp4(
 
     Like :func:`.fused_moe_lora.fused_moe_lora` with ``w13`` (dequantizes to ``[E, H, 2I]``) and ``w2``
     (``[E, I, H]``) as :class:`.mxfp4.Mxfp4Weight`; GPT-OSS defaults (transposed interleaved layout, clamped
-    swiglu). Returns ``y [T, H]`` in ``x.dtype``."""
+    swiglu); ``lora_ranks`` ``[2, L]`` int: each slot's w13 / w2 rank, as for the dense op. Returns ``y [T, H]`` in
+    ``x.dtype``."""
     return torch.ops.moe_lora.fused_moe_lora_mxfp4(
         x, topk_ids, topk_weights, token_lora_ids, w13.blocks, w13.scales, w2.blocks, w2.scales, lora_a13,
-        lora_b13, lora_a2, lora_b2, w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation,
-        alpha=alpha, limit=limit, routing_weight_on_input=routing_weight_on_input)
+        lora_b13, lora_a2, lora_b2, w13_bias=w13_bias, w2_bias=w2_bias, lora_ranks=lora_ranks, layout=layout,
+        activation=activation, alpha=alpha, limit=limit, routing_weight_on_input=routing_weight_on_input)

@@ -226,6 +226,7 @@ def fused_moe_lora_mxfp4_reference(
     alpha: float = GPTOSS_ALPHA,
     limit: float = GPTOSS_LIMIT,
     routing_weight_on_input: bool = False,
+    lora_ranks: Optional[Tensor] = None,
 ) -> Tensor:
     """:func:`..reference.fused_moe_lora_reference` over MXFP4 experts: w13 (``[E, H, 2I]`` dequantized) and w2
     (``[E, I, H]``) dequantized to ``x.dtype`` (what a kernel feeding ``tl.dot`` with x's dtype computes), then the
@@ -242,5 +243,5 @@ def fused_moe_lora_mxfp4_reference(
     return fused_moe_lora_reference(
         x, topk_ids, topk_weights, token_lora_ids, w13_dq, w2_dq, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
-        routing_weight_on_input=routing_weight_on_input,
+        routing_weight_on_input=routing_weight_on_input, lora_ranks=lora_ranks,
     )

@@ -15,6 +15,7 @@ import torch
 
 from support.cases import TOLERANCES, MoECase, make_linear
 from support.oracle import lora_linear_oracle, moe_lora_oracle
+from support.ranks import NAN, poison_moe
 
 import moe_lora_compile as mlc
 from moe_lora_compile.ops.triton.configs import GemmConfig, LinearKernelConfig, MoEKernelConfig, ShrinkConfig
@@ -22,24 +23,6 @@ from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linea
 from moe_lora_compile.shapes import GPT_OSS_20B
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NAN = float("nan")
-
-
-def poison_moe(args, ranks13, ranks2, split_half=None):
-    """``(clean, dirty)`` MoE argument tuples: slot ``l``'s rank entries past ``ranks13[l]`` (w13; in each half of
-    ``split_half`` entries for the split form) / ``ranks2[l]`` (w2) zeroed in ``clean``, NaN in ``dirty``."""
-    clean, dirty = list(args), list(args)
-    for pos, ranks, rank_dim in ((6, ranks13, 2), (7, ranks13, 3), (8, ranks2, 2), (9, ranks2, 3)):
-        c, d = args[pos].clone(), args[pos].clone()
-        size = c.shape[rank_dim]
-        r = torch.arange(size)
-        block = split_half if (split_half and pos == 6) else size
-        for slot, rank in enumerate(ranks):
-            pad = (r % block) >= rank
-            c[slot].index_fill_(rank_dim - 1, pad.nonzero().squeeze(1).to(c.device), 0.0)
-            d[slot].index_fill_(rank_dim - 1, pad.nonzero().squeeze(1).to(d.device), NAN)
-        clean[pos], dirty[pos] = c, d
-    return tuple(clean), tuple(dirty)
 
 
 def moe_ranks(ranks13, ranks2, device=DEVICE):

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from support.cases import TOLERANCES, MoECase
 from support.oracle import moe_lora_oracle
+from support.ranks import poison_moe
 
 from moe_lora_compile.models.mxfp4_gpt_oss import GptOssMxfp4Experts, build_mxfp4_gpt_oss
 from moe_lora_compile.models.tiny import tiny_config as tiny_model_config
@@ -143,6 +144,23 @@ def test_kernel_split_k(per_pair):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("path", ["sorted", "per-pair", "op"])
+def test_lora_ranks_stop_at_each_slots_rank(path):
+    """``lora_ranks`` on the MXFP4 op and kernels: slots of w13 ranks 16/3/0 and w2 ranks 5/16/8 with NaN past
+    each rank equal the oracle on zero-padded stacks (kernels in the interpreter, the op's CPU reference)."""
+    case = _case(T=6, lora="mixed")
+    args, kwargs, w13, w2, dense = _quantized(case, device=DEVICE if path != "op" else "cpu")
+    ranks = torch.tensor([[16, 3, 0], [5, 16, 8]], dtype=torch.int32, device=args[0].device)
+    clean, dirty = poison_moe(dense(torch.float32), ranks[0].tolist(), ranks[1].tolist())
+    quantized = (*dirty[:4], w13.blocks, w13.scales, w2.blocks, w2.scales, *dirty[6:])
+    if path == "op":
+        y = torch.ops.moe_lora.fused_moe_lora_mxfp4(*quantized, **kwargs, lora_ranks=ranks)
+    else:
+        y = fused_moe_lora_mxfp4_triton(*quantized, **kwargs, lora_ranks=ranks, config=_config(path == "per-pair"))
+    expected = moe_lora_oracle(*(t.double() if t.is_floating_point() else t for t in clean), **kwargs).cpu()
+    torch.testing.assert_close(y.cpu().double(), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_is_not_reading_float_weights():
     """The quantization error shows: the kernel's output differs from the oracle on the unquantized weights."""
     args, kwargs, w13, w2, _ = _quantized(_case(T=4))
@@ -174,9 +192,12 @@ def _op_args(case):
     _case(T=4),  # GPT-OSS with biases
     _case(T=4, layout="transposed_concat", activation="silu", bias=False, routing_weight_on_input=True, k=1),
     _case(T=0),  # empty batch
+    _case(T=4, ranks=(16, 3, 7)),  # with lora_ranks (below)
 ], ids=MoECase.label)
 def test_opcheck(case):
     args, kwargs = _op_args(case)
+    if case.ranks is not None:
+        kwargs = {**kwargs, "lora_ranks": torch.tensor([case.ranks, case.ranks[::-1]], dtype=torch.int32)}
     grads = {0, 2, 8, 9, 10, 11}  # x, topk_weights, the LoRA stacks
     args = tuple(t.clone().requires_grad_(True) if i in grads else t for i, t in enumerate(args))
     torch.library.opcheck(torch.ops.moe_lora.fused_moe_lora_mxfp4.default, args, kwargs, test_utils=OPCHECK_TESTS)
