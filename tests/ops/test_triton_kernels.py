@@ -147,6 +147,31 @@ def test_strided_biases_are_read_as_such(per_pair):
         torch.testing.assert_close(y.cpu().double(), lora_linear_oracle(x, w, a, b, ids, bias), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
+def test_out_of_range_slots_reaching_the_kernels_are_no_adapter(per_pair):
+    """Slot ids outside [-1, L) that skip the op's checks (checks off inside CUDA graphs, MOE_LORA_CHECK_IDS=0) are
+    read as -1 by every kernel: before, L indexed past the stacks (sorted mode: an out-of-bounds atomic in the
+    routing, a process abort) and -2 took another expert's segment."""
+    c = kernel_case(T=6, lora="all", L=2)
+    args, kwargs = c.make(DEVICE)
+    args = list(args)
+    args[3] = torch.tensor([0, 2, -2, 1, 7, -9], dtype=torch.int32, device=DEVICE)
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair))
+    args[3] = torch.tensor([0, -1, -1, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+    torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x, w, a, b = (torch.randn(*shape, generator=g) for shape in ((4, 32), (24, 32), (2, 16, 32), (2, 24, 16)))
+    for gemv in (True, False):
+        dev = [t.to(DEVICE) for t in (x, w, a, b, torch.tensor([1, 2, -3, 0], dtype=torch.int32))]
+        y = lora_linear_triton(*dev, config={"BLOCK_M": 16, "per_token": gemv, "gemv": gemv,
+                                             "gemm": asdict(GemmConfig(BLOCK_N=16, BLOCK_K=16, GROUP_SIZE_M=2,
+                                                                       num_warps=4, num_stages=1)),
+                                             "shrink": asdict(ShrinkConfig(BLOCK_K=16, SPLIT_K=1, num_warps=4,
+                                                                           num_stages=1))})
+        want = lora_linear_oracle(x, w, a, b, torch.tensor([1, -1, -1, 0]))
+        torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])
 def test_lora_changes_the_output(per_pair):
     """Guard against a kernel that drops the LoRA delta: with vs without adapters must differ by the delta."""

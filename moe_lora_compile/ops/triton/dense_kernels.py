@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .moe_kernels import (_expert_gemm, _load_rank_vectors, _lora_expand, _swizzle, grid_dependency_sync,
-                          launch_dependents, rank_load_masks, rank_mask)
+                          launch_dependents, load_slots, rank_load_masks, rank_mask)
 
 _COUNTER_TILE = tl.constexpr(128)
 
@@ -99,6 +99,7 @@ def lora_shrink_rows_kernel(
     counter_ptr, num_counters,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False,
     USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 1,
+    num_slots=2147483647,
 ):
     """s[split, t, :R] = x[t, K slice] @ A[l, :, K slice]^T in fp32, ``l = token_lora[t]``, for tokens with an
     adapter; rows of ``-1`` tokens are not written (the consumer never reads them). Grid (T, SPLIT_K).
@@ -117,7 +118,7 @@ def lora_shrink_rows_kernel(
         for c0 in range((pid_k * tl.num_programs(0) + t) * _COUNTER_TILE, num_counters, step):
             tl.store(counter_ptr + c0 + offs_c, tl.zeros([_COUNTER_TILE], dtype=tl.int32),
                      mask=c0 + offs_c < num_counters)
-    lora = tl.load(token_lora_ptr + t).to(tl.int64)
+    lora = load_slots(token_lora_ptr, t, None, num_slots).to(tl.int64)
     if lora < 0:
         return
     offs_r = tl.arange(0, BLOCK_R)
@@ -152,6 +153,7 @@ def lora_linear_kernel(
     GROUP_SIZE_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
     EXPAND_SLOTS: tl.constexpr = 1, ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 1,
+    num_slots=2147483647,
 ):
     """y[t] = x[t] W^T + B[l] s[t] (+ bias), ``l = token_lora[t]`` (no delta for ``-1``). Grid (grid_m * N tiles,
     SPLIT_K). x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k*stride_wk; B element (l, n, r) at
@@ -184,7 +186,7 @@ def lora_linear_kernel(
     acc = _expert_gemm(x_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
 
-    lora = tl.load(token_lora_ptr + rows, mask=valid, other=-1).to(tl.int32)
+    lora = load_slots(token_lora_ptr, rows, valid, num_slots)
     if SPLIT_K > 1:  # the LoRA delta and the bias once, in slice 0
         lora = tl.where(pid_k == 0, lora, -1)
     has_lora = valid & (lora >= 0)
@@ -253,7 +255,7 @@ def lora_gemv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_SPLIT_K: tl.constexpr = False,
     PREFETCH: tl.constexpr = True, USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
-    RANK_BLOCKS: tl.constexpr = 1,
+    RANK_BLOCKS: tl.constexpr = 1, num_slots=2147483647,
 ):
     """``lora_linear_kernel``'s result for a handful of tokens (T <= BLOCK_T), as a GEMV: no ``tl.dot``, no 16-row
     padding. Grid (cdiv(N, BLOCK_N), split_k). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
@@ -317,7 +319,7 @@ def lora_gemv_kernel(
     launch_dependents(USE_PDL)
 
     if pid_k == 0:  # the LoRA delta and the bias once, in slice 0
-        lora = tl.load(token_lora_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
+        lora = load_slots(token_lora_ptr, offs_t, t_mask, num_slots).to(tl.int64)
         has_lora = t_mask & (lora >= 0)
         if tl.max(has_lora.to(tl.int32), axis=0) > 0:
             offs_r = tl.arange(0, BLOCK_R)

@@ -92,7 +92,7 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
     (:func:`.moe_kernels.lora_shrink_pairs_kernel`), same rows written; else one per row block. ``ranks``,
     ``rank_block``, ``rank_stride``, ``rank_blocks``: each slot's rank (:func:`.moe_kernels.rank_mask`; ranks None:
     all R)."""
-    rank_args = dict(ranks_ptr=ranks, rank_block=rank_block, rank_stride=rank_stride)
+    rank_args = dict(ranks_ptr=ranks, rank_block=rank_block, rank_stride=rank_stride, num_slots=a.shape[0])
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
     cfg = ShrinkConfig.of(cfg)
     zero_counters = counters is not None and counters.numel() > 0
@@ -236,7 +236,7 @@ def fused_moe_lora_triton(
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
         EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
         SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.w13_overlap, num_warps=c13.num_warps,
-        num_stages=c13.num_stages, ranks_ptr=ranks13, rank_block=rank_block13,
+        num_stages=c13.num_stages, ranks_ptr=ranks13, rank_block=rank_block13, num_slots=L,
         ranks2_ptr=ranks2 if fuse_shrink2 else None, **chain.next())
 
     if not fuse_shrink2:
@@ -263,7 +263,8 @@ def fused_moe_lora_triton(
         BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2, BLOCK_R=block_r2, GROUP_SIZE_M=c2.GROUP_SIZE_M,
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
-        SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, ranks_ptr=ranks2, **chain.next())
+        SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, ranks_ptr=ranks2, num_slots=L,
+        **chain.next())
     if not topk_sum and top_k > 1:
         torch.sum(rows2.view(T, top_k, H), dim=1, out=y)
     return y
@@ -330,7 +331,7 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
     a, b = _last_dim_contiguous(lora_a), _last_dim_contiguous(lora_b)
     bias = None if bias is None else bias.contiguous()  # read with stride 1 (a strided view: copied)
     chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=passed)))
-    rank_args = _dense_rank_args(lora_ranks, R)
+    rank_args = {**_dense_rank_args(lora_ranks, R), "num_slots": a.shape[0]}
     if cfg.gemv and T <= GEMV_MAX_T and weight.stride(1) == 1:  # (a transposed weight: the GEMM reads it as is)
         return _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg, chain, rank_args)
     c = cfg.gemm

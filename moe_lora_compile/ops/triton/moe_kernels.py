@@ -99,6 +99,18 @@ def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
 
 
 @triton.jit
+def load_slots(token_lora_ptr, index, mask, num_slots):
+    """``token_lora_ids[index]`` as int32, ``-1`` where ``mask`` is off (None: a scalar load) or the id lies outside
+    ``[0, num_slots)``: the op's checks refuse such ids, but they are off inside CUDA graphs (and with
+    ``MOE_LORA_CHECK_IDS=0``), and a kernel must never index a slot past the stacks."""
+    if mask is None:
+        lora = tl.load(token_lora_ptr + index).to(tl.int32)
+    else:
+        lora = tl.load(token_lora_ptr + index, mask=mask, other=_NO_ADAPTER).to(tl.int32)
+    return tl.where((lora >= 0) & (lora < num_slots), lora, _NO_ADAPTER)
+
+
+@triton.jit
 def _slot_range(lora, has_lora):
     """Smallest and largest adapter slot among the rows with LoRA (first > last when there is none)."""
     first = tl.min(tl.where(has_lora, lora, _NO_SLOT), axis=0)
@@ -245,7 +257,7 @@ def lora_shrink_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
-    ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 0,
+    ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 0, num_slots=2147483647,
 ):
     """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
     fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
@@ -270,7 +282,7 @@ def lora_shrink_kernel(
     pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
     valid = pair >= 0
     token = tl.where(valid, pair // top_k, 0)
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
+    lora = load_slots(token_lora_ptr, token, valid, num_slots)
     has_lora = valid & (lora >= 0)
     slot, last = _slot_range(lora, has_lora)
     if slot > last:
@@ -319,6 +331,7 @@ def lora_shrink_pairs_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
+    num_slots=2147483647,
 ):
     """The per-pair shrink (decode-sized batches): what :func:`lora_shrink_kernel` computes, one (token, expert)
     pair and K slice per program, grid (num_pairs, SPLIT_K). The slot is a scalar (no walk over a block's slots),
@@ -336,7 +349,7 @@ def lora_shrink_pairs_kernel(
                         tl.num_programs(0) * tl.num_programs(1) * 128):
             tl.store(counter_ptr + c0 + offs_c, tl.zeros([128], dtype=tl.int32), mask=c0 + offs_c < num_counters)
     token = pair // top_k
-    lora = tl.load(token_lora_ptr + token).to(tl.int64)
+    lora = load_slots(token_lora_ptr, token, None, num_slots).to(tl.int64)
     if lora < 0:
         return
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
@@ -396,7 +409,7 @@ def moe_w13_kernel(
     DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     WAIT_AFTER_MAIN_LOOP: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
     w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0,
-    ranks_ptr=None, rank_block=1, ranks2_ptr=None,
+    ranks_ptr=None, rank_block=1, ranks2_ptr=None, num_slots=2147483647,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
@@ -522,7 +535,7 @@ def moe_w13_kernel(
                 up += tl.load(u_ptrs + sp * part_split_stride, mask=gu_mask, other=0.0, cache_modifier=".cg")
 
     # Epilogue: routing weight (on input), LoRA delta before the activation, bias, activation.
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
+    lora = load_slots(token_lora_ptr, token, valid, num_slots)
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
     s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
@@ -595,7 +608,7 @@ def moe_w2_kernel(
     GROUP_SIZE_M: tl.constexpr, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHT_ON_OUTPUT: tl.constexpr,
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
-    w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0, ranks_ptr=None,
+    w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0, ranks_ptr=None, num_slots=2147483647,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM.
 
@@ -643,7 +656,7 @@ def moe_w2_kernel(
                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
     launch_dependents(USE_PDL)
 
-    lora = tl.load(token_lora_ptr + token, mask=valid, other=_NO_ADAPTER).to(tl.int32)
+    lora = load_slots(token_lora_ptr, token, valid, num_slots)
     if SPLIT_K > 1:  # the LoRA delta (and bias) once, in slice 0
         lora = tl.where(pid_k == 0, lora, _NO_ADAPTER)
     has_lora = valid & (lora >= 0)

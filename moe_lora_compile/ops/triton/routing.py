@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_kernels import _NO_ADAPTER, _NO_PAIR, PDL_OFF, grid_dependency_sync
+from .moe_kernels import _NO_PAIR, PDL_OFF, grid_dependency_sync, load_slots
 from .pdl import LaunchChain
 
 CHUNK = 256  # pairs per program in the count/scatter kernels
@@ -54,7 +54,7 @@ def _count_kernel(topk_ids_ptr, token_lora_ptr, counts_ptr, row_pair_ptr, num_pa
     tl.store(row_pair_ptr + offs, tl.full([CHUNK], _NO_PAIR, tl.int32), mask=offs < num_rows)
     in_range = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
-    lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=_NO_ADAPTER).to(tl.int32)
+    lora = load_slots(token_lora_ptr, offs // top_k, in_range, NUM_SLOTS_P1 - 1)
     tl.atomic_add(counts_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
 
 
@@ -92,7 +92,7 @@ def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, pair
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
     expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
-    lora = tl.load(token_lora_ptr + offs // top_k, mask=in_range, other=_NO_ADAPTER).to(tl.int32)
+    lora = load_slots(token_lora_ptr, offs // top_k, in_range, NUM_SLOTS_P1 - 1)
     row = tl.atomic_add(cursor_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
     tl.store(row_pair_ptr + row, offs, mask=in_range)
     tl.store(pair_row_ptr + offs, row, mask=in_range)
