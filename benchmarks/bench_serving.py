@@ -293,32 +293,64 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+POSITIVE, NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr (exit code 2), as the package's command line does."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
 def parser(prog=None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="gpt-oss-20b", choices=list(DECODE_MODELS))
+    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, choices=list(DECODE_MODELS), help="default gpt-oss-20b")
     p.add_argument("--tiny", action="store_true", help="tiny GPT-OSS on the CPU, small workload (a smoke test)")
-    p.add_argument("--requests", type=int, default=32,
+    p.add_argument("--requests", type=POSITIVE, default=32,
                    help="requests per run; a run lasts ~requests / rate + the last requests' decode (scale to fit)")
-    p.add_argument("--prompt", type=int, default=1600, help="mean prompt tokens")
-    p.add_argument("--new", type=int, default=600, help="mean output tokens")
+    p.add_argument("--prompt", type=POSITIVE, default=1600, help="mean prompt tokens")
+    p.add_argument("--new", type=POSITIVE, default=600, help="mean output tokens")
     p.add_argument("--jitter", type=float, default=0.25, help="lengths uniform in mean * (1 +- jitter)")
-    p.add_argument("--rates", type=float, nargs="+", help="arrival rates in requests/s (default: calibrated)")
-    p.add_argument("--load-factors", type=float, nargs="+", default=[0.4, 0.9, 1.5],
+    p.add_argument("--rates", type=_positive_float, nargs="+", help="arrival rates in requests/s (default: calibrated)")
+    p.add_argument("--load-factors", type=_positive_float, nargs="+", default=[0.4, 0.9, 1.5],
                    help="rates as multiples of the estimated saturation rate (low, near, overload)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--resident", type=int, default=8, help="adapters of lora8 / grouped8")
-    p.add_argument("--paged", type=int, default=64, help="adapters of lora64")
-    p.add_argument("--distinct", type=int, default=8, help="distinct adapters made (names share their factors)")
-    p.add_argument("--slots", type=int, default=8, help="GPU adapter slots (max_loras)")
-    p.add_argument("--max-rows", type=int, default=32, help="requests decoding at once")
-    p.add_argument("--buckets", type=int, nargs="+", help="decode buckets (default: powers of two up to max-rows)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens prefilled per engine step")
+    p.add_argument("--rank", type=POSITIVE, default=32)
+    p.add_argument("--resident", type=POSITIVE, default=8, help="adapters of lora8 / grouped8")
+    p.add_argument("--paged", type=POSITIVE, default=64, help="adapters of lora64")
+    p.add_argument("--distinct", type=POSITIVE, default=8, help="distinct adapters made (names share their factors)")
+    p.add_argument("--slots", type=POSITIVE, default=8, help="GPU adapter slots (max_loras)")
+    p.add_argument("--max-rows", type=POSITIVE, default=32, help="requests decoding at once")
+    p.add_argument("--buckets", type=POSITIVE, nargs="+", help="decode buckets (default: powers of two up to max-rows)")
+    p.add_argument("--prefill-chunk", type=POSITIVE, default=2048, help="prompt tokens prefilled per engine step")
     p.add_argument("--no-compile", action="store_true", help="run the decode steps eagerly (captured on CUDA)")
     p.add_argument("--eager-prefill", action="store_true",
                    help="compile_prefill=False: no prefill compile (~2 min less for a 20B model; TTFT then is the "
                         "eager prefill's)")
-    p.add_argument("--num-speculative-tokens", type=int, default=0,
+    p.add_argument("--num-speculative-tokens", type=NON_NEGATIVE, default=0,
                    help="draft tokens per request and step (prompt lookup; random prompts rarely match: this measures "
                         "the cost of verifying drafts more than their gain)")
     p.add_argument("--grouped-near-only", action="store_true",
@@ -332,6 +364,22 @@ def parser(prog=None) -> argparse.ArgumentParser:
     return p
 
 
+def _outputs_error(args) -> str | None:
+    """Why --json / --md / --png cannot be written (one line), or None."""
+    for flag, path in (("--json", args.json), ("--md", args.md), ("--png", args.png)):
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            return f"{flag} {path}: {folder} is not a writable folder"
+    if args.png is not None:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            return f"--png {args.png} needs matplotlib (pip install matplotlib)"
+    return None
+
+
 TINY = dict(requests=3, prompt=16, new=5, max_rows=4, slots=4, prefill_chunk=32, no_compile=True, rank=4,
             paged=16, distinct=4, resident=4)
 
@@ -340,12 +388,19 @@ def main(argv=None, prog=None) -> int:
     warnings.filterwarnings("ignore", message=".*Online softmax is disabled.*")
     argv = list(sys.argv[1:] if argv is None else argv)
     p = parser(prog)
+    if p.parse_known_args(argv)[0].tiny:  # small defaults, unless given on the command line (any spelling)
+        p.set_defaults(**TINY)
     args = p.parse_args(argv)
-    if args.tiny:  # small defaults, unless given on the command line
-        given = {a.dest for a in p._actions if any(s in argv for s in a.option_strings)}
-        for key, value in TINY.items():
-            if key not in given:
-                setattr(args, key, value)
+    if args.tiny and args.model not in (None, "gpt-oss-20b"):
+        p.error(f"--model {args.model}: --tiny serves a tiny GPT-OSS on the CPU (serve-bench adds --tiny where there "
+                f"is no CUDA device); the full-size models need a GPU")
+    args.model = args.model or "gpt-oss-20b"
+    if not 0 <= args.jitter < 1:
+        p.error(f"--jitter must be in [0, 1), got {args.jitter}")
+    problem = _outputs_error(args)  # before minutes of model building and runs
+    if problem:
+        p.error(problem)
+
     def write(rows):
         if args.json:
             with open(args.json, "w") as f:
@@ -358,11 +413,7 @@ def main(argv=None, prog=None) -> int:
     write(rows)
     print(to_markdown(rows))
     if args.png:
-        try:
-            plot(rows, args.png)
-        except ImportError:
-            print("--png needs matplotlib (pip install matplotlib); the other outputs were written", file=sys.stderr)
-            return 2
+        plot(rows, args.png)  # matplotlib checked above
     return 0
 
 

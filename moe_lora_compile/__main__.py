@@ -19,6 +19,7 @@ device is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import copy
 import dataclasses
 import os
@@ -207,6 +208,17 @@ def run_dump(folder: str, family: str = "qwen3_moe", *, dtype: str = "float32", 
     return report
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (else the one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     """Errors as one line on stderr (exit code 2), without the usage block."""
 
@@ -228,9 +240,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--verbose", action="store_true",
                        help="progress lines on stderr even when it is not a terminal (MOE_LORA_PROGRESS=1)")
         if name == "demo":
-            p.add_argument("--batch", type=int, default=4,
-                           help="sequences in the mixed batch, adapters assigned round-robin (default 4)")
-            p.add_argument("--seq-len", type=int, default=8, help="tokens per sequence (default 8)")
+            p.add_argument("--batch", type=positive_int, default=4,
+                           help="sequences in the mixed batch, adapters assigned round-robin (default 4; the "
+                                "recompile checks need >= 3: another batch size, another adapter mix)")
+            p.add_argument("--seq-len", type=positive_int, default=8, help="tokens per sequence (default 8)")
             p.add_argument("--skip-peft", action="store_true",
                            help="skip the second section (a plain PEFT model compiled with the pass)")
         else:
@@ -280,6 +293,20 @@ def _device_error(device: Optional[str]) -> Optional[str]:
     if dev.type == "cuda" and not torch.cuda.is_available():
         build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
         return f"--device {device}: CUDA is not available ({build}); run without --device to use the CPU"
+    if dev.type not in ("cpu", "cuda"):
+        return f"--device {device}: the demo runs on cpu or cuda, not {dev.type}"
+    return None
+
+
+def _folder_error(folder: str) -> Optional[str]:
+    """Why the dump cannot be written into ``folder`` (one line), or None: checked before the model is built."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):  # the nearest existing ancestor must be a writable folder
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"{folder}: {path} is a file, not a folder"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{folder}: {path} is not writable"
     return None
 
 
@@ -295,6 +322,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.verbose:
         os.environ["MOE_LORA_PROGRESS"] = "1"
     problem = _device_error(args.device)
+    if args.command == "demo" and not problem and args.batch < 3:
+        problem = f"--batch {args.batch}: the recompile checks need >= 3 sequences (another adapter mix, a smaller batch)"
+    if args.command == "dump" and not problem:
+        problem = _folder_error(args.folder)
+        if not problem and importlib.util.find_spec("depyf") is None:
+            problem = "depyf is not installed (pip install depyf; it is a dependency of this package)"
     if problem:
         print(f"moe-lora-compile {args.command}: error: {problem}", file=sys.stderr)
         return 2

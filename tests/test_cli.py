@@ -41,6 +41,20 @@ def test_help_and_bad_family_answer_before_torch_loads():
     _one_error_line(_run("-m", "moe_lora_compile", "dump"), "folder")
 
 
+def test_bad_values_are_one_line_before_any_work(tmp_path):
+    """Values argparse would take but the run cannot use: answered with one line, exit 2, before a model is built
+    (before, each ended in a traceback after the build: a negative batch, a dump folder under a file, --device
+    meta)."""
+    demo = ("-m", "moe_lora_compile", "demo")
+    _one_error_line(_run(*demo, "--batch", "-3"), "--batch", "must be >= 1")
+    _one_error_line(_run(*demo, "--seq-len", "0"), "--seq-len", "must be >= 1")
+    _one_error_line(_run(*demo, "--batch", "2"), "--batch 2", "need >= 3")
+    _one_error_line(_run(*demo, "--device", "meta"), "--device meta", "cpu or cuda")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    _one_error_line(_run("-m", "moe_lora_compile", "dump", str(blocker / "dump")), "is a file, not a folder")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_no_cuda_is_one_line_and_exit_2():
     _one_error_line(_run("-m", "moe_lora_compile", "demo", "--device", "cuda"), "CUDA is not available")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
+import pytest
 import torch
 
 from moe_lora_compile.__main__ import main
@@ -18,8 +20,12 @@ def test_serve_bench_tiny_writes_json_markdown_and_png(tmp_path, capsys):
             "no_lora", "lora64", "grouped8", "--json", out["json"], "--md", out["md"], "--png", out["png"]]
     if torch.cuda.is_available():
         argv.insert(1, "--tiny")
-    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
-    assert main(argv) == (0 if has_matplotlib else 2)  # --png without matplotlib: the rest written, exit 2
+    if importlib.util.find_spec("matplotlib") is None:  # --png without matplotlib: refused before any work
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2 and "--png" in capsys.readouterr().err and not os.path.exists(out["json"])
+        argv = argv[: argv.index("--png")] + argv[argv.index("--png") + 2:]
+    assert main(argv) == 0
     rows = json.load(open(out["json"]))
     runs = [r for r in rows if r["kind"] == "run"]
     assert [r["config"] for r in runs] == ["no_lora", "grouped8", "lora64"]  # the baselines first at each rate
@@ -30,10 +36,26 @@ def test_serve_bench_tiny_writes_json_markdown_and_png(tmp_path, capsys):
     table = open(out["md"]).read()
     printed = capsys.readouterr()
     assert table.count("| lora64 |") == 1 and "OTPS / no_lora" in table and table in printed.out
-    if has_matplotlib:
+    if "--png" in argv:
         assert open(out["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
-    else:
-        assert "--png needs matplotlib" in printed.err
+
+
+def test_serve_bench_bad_options_are_one_line(tmp_path, capsys):
+    """Values the benchmark cannot use are refused at once, with one line: before, a negative count ended in a
+    traceback, --requests=1 (with '=') was silently replaced by the tiny default, --model was ignored by --tiny."""
+    for argv, needle in ((["--tiny", "--requests", "-2"], "must be >= 1"),
+                         (["--tiny", "--jitter", "1.5"], "--jitter"),
+                         (["--tiny", "--model", "qwen3-30b-a3b"], "--model qwen3-30b-a3b"),
+                         (["--tiny", "--json", str(tmp_path / "no" / "x.json")], "not a writable folder")):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve-bench", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(err) == 1 and needle in err[0], err
+    out = str(tmp_path / "one.json")
+    assert main(["serve-bench", "--tiny", "--requests=1", "--new=2", "--jitter=0", "--rates", "1000", "--configs", "no_lora",
+                       "--json", out]) == 0
+    (run,) = [r for r in json.load(open(out)) if r["kind"] == "run"]
+    assert run["requests"] == 1 and run["output_tokens"] == 2
 
 
 def test_serve_bench_with_draft_tokens(tmp_path):
