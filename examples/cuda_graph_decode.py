@@ -39,6 +39,28 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+@torch.no_grad()
+def agree(mm, ours, theirs, adapters, dtype) -> str:
+    """``"identical"``; in bfloat16 also ``"same up to a bf16 near-tie at token t"`` when each row is identical up to
+    a token where the reference's own two best logits are within bf16 rounding of each other and ours took the
+    other one (two computations of one bf16 model legitimately part there, and their continuations then differ);
+    else ``"DIFFERENT"``."""
+    if torch.equal(ours, theirs):
+        return "identical"
+    if dtype != torch.bfloat16 or ours.shape != theirs.shape:
+        return "DIFFERENT"
+    ties = []
+    for row in (ours != theirs).any(1).nonzero().flatten().tolist():
+        t = int((ours[row] != theirs[row]).nonzero()[0])
+        logits = mm(theirs[row:row + 1, :t], adapters=[adapters[row]]).logits[0, -1].float()
+        best = logits.topk(2)
+        gap = float(best.values[0] - best.values[1])
+        if int(ours[row, t]) not in best.indices.tolist() or gap > 2 ** -7 * max(1.0, abs(float(best.values[0]))):
+            return "DIFFERENT"
+        ties.append(t)
+    return f"same up to a bf16 near-tie at token {min(ties)}"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="qwen3_moe", type=family_arg, metavar="F",
@@ -74,12 +96,12 @@ def main(argv=None) -> int:
         ours, t_graphs = _timed(lambda: graphs.generate(prompt, adapters=adapters, max_new_tokens=n))
         ours, t_graphs = _timed(lambda: graphs.generate(prompt, adapters=adapters, max_new_tokens=n))
         theirs, t_eager = _timed(lambda: mm.generate(prompt, adapters=adapters, max_new_tokens=n, do_sample=False))
-        same = torch.equal(ours, theirs)
+        same = agree(mm, ours, theirs, adapters, getattr(torch, args.dtype))
         label = "graph replay" if cuda else "static steps, eager"
         print(f"{args.family} {args.dtype} on {device}: batch {len(adapters)} (bucket {graphs.bucket_for(3)}), "
               f"adapters {adapters}, {ours.shape[1] - prompt.shape[1]} new tokens")
         print(f"  {label}: {t_graphs * 1e3:.1f} ms; mm.generate: {t_eager * 1e3:.1f} ms; "
-              f"tokens identical: {same}")
+              f"tokens: {same}")
 
         # speculative decoding: 2 draft tokens per step from a toy drafter (repeat the last token); the verify step
         # keeps what greedy decoding agrees with, so the tokens are the same whatever the drafts
@@ -88,15 +110,17 @@ def main(argv=None) -> int:
         spec.capture()
         drafter = lambda seqs: torch.stack([s[-1:].repeat(n_drafts) for s in seqs])
         spec_out = spec.generate(prompt, adapters=adapters, max_new_tokens=n, draft=drafter)
-        print(f"  speculative (k=2, repeat-last drafter): tokens identical: {torch.equal(spec_out, theirs)}")
+        spec_same = agree(mm, spec_out, theirs, adapters, getattr(torch, args.dtype))
+        print(f"  speculative (k=2, repeat-last drafter): tokens: {spec_same}")
 
         # hot swap: new weights in alpha's slot, same graphs
         mm.load_adapter("alpha", f"{workdir}/beta", replace=True)
         swapped = graphs.generate(prompt, adapters=adapters, max_new_tokens=n)
         check = mm.generate(prompt, adapters=adapters, max_new_tokens=n, do_sample=False)
-        print(f"  after hot-swapping 'alpha': tokens identical: {torch.equal(swapped, check)}; "
+        swap_same = agree(mm, swapped, check, adapters, getattr(torch, args.dtype))
+        print(f"  after hot-swapping 'alpha': tokens: {swap_same}; "
               f"graphs captured in all: {graphs.num_captures + spec.num_captures}")
-        ok = same and torch.equal(spec_out, theirs) and torch.equal(swapped, check)
+        ok = "DIFFERENT" not in (same, spec_same, swap_same)
     print("OK" if ok else "MISMATCH")
     return 0 if ok else 1
 
