@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from moe_lora_compile.__main__ import ADAPTERS, build
+from moe_lora_compile.__main__ import ADAPTERS, build, positive_int
 from moe_lora_compile.family_names import describe_choices, family_arg
 from moe_lora_compile.graphs import DecodeGraphs
 from moe_lora_compile.models import attach
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     parser.add_argument("--family", default="qwen3_moe", type=family_arg, metavar="F",
                         help=f"model family (default qwen3_moe): {describe_choices()}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=16)
     parser.add_argument("--sliding-window", type=int, default=None,
                         help="GPT-OSS's window in the tiny config (default: prompt + 3 x new tokens, enough for "
                              "speculative decoding with 2 drafts; 16 shows the documented limit)")

@@ -15,6 +15,7 @@ import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
+from moe_lora_compile.__main__ import positive_int
 from moe_lora_compile.models import attach
 from moe_lora_compile.family_names import describe_choices, family_arg
 from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
@@ -24,7 +25,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", default="qwen3_moe", type=family_arg, metavar="F",
                         help=f"model family (default qwen3_moe): {describe_choices()}")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=8)
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)

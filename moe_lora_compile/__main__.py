@@ -219,7 +219,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """Errors as one line on stderr (exit code 2), without the usage block."""
 
     def error(self, message):
@@ -227,7 +227,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="moe-lora-compile", description=DESCRIPTION)
+    parser = OneLineParser(prog="moe-lora-compile", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,dump,tune,serve-bench}")
     for name, help_text in (("demo", "compile a tiny MoE model with three PEFT adapters and check it"),
                             ("dump", "write a depyf dump of the compiled demo model")):

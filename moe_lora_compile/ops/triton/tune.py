@@ -24,14 +24,15 @@ first call compiles its kernels, a few seconds each; the run may overshoot by on
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
 import pathlib
 import sys
 import time
 
 import torch
 
+from ...__main__ import OneLineParser, positive_int
 from ...shapes import MODELS, MoEGeometry
 from ..layout import is_transposed, w13_shape, w2_shape
 
@@ -162,10 +163,10 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True, choices=sorted(MODELS))
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 32, 128, 512, 2048])
-    p.add_argument("--ranks", nargs="+", type=int, default=[16, 64])
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=[1, 8, 32, 128, 512, 2048])
+    p.add_argument("--ranks", nargs="+", type=positive_int, default=[16, 64])
     p.add_argument("--out", help="JSON file to merge into (default: the package's file for this GPU)")
     p.add_argument("--start", choices=("default", "shipped"), default="default",
                    help="start from the heuristic config, or from the entry already in the file for this T")
@@ -178,6 +179,12 @@ def main(argv=None):
                    help="time for the whole run: each (T, R) gets an equal share of what is left and keeps its best "
                         "config so far when it is spent")
     a = p.parse_args(argv)
+    if a.budget_s is not None and not a.budget_s > 0:
+        p.error(f"--budget-s must be > 0, got {a.budget_s}")
+    if a.out is not None:  # written after the first shape is tuned: an unusable path would cost that time
+        folder = os.path.dirname(os.path.abspath(a.out))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            p.error(f"--out {a.out}: {folder} is not a writable folder")
     groups = tuple(a.groups or (MXFP4_GROUPS if a.mxfp4 else GROUPS))
     if not torch.cuda.is_available():
         build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
