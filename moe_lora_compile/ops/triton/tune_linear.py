@@ -20,7 +20,6 @@ and into ``--out`` when given, after each phase.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as futures
 import dataclasses
 import multiprocessing
@@ -245,14 +244,16 @@ def describe(cfg) -> str:
 # --- main ------------------------------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    from ...__main__ import OneLineParser, positive_int
+
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=list(DECODE_MODELS), choices=sorted(DECODE_MODELS))
     p.add_argument("--projs", nargs="+", default=["qkv", "o"], choices=["qkv", "o"])
-    p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
-    p.add_argument("--rank", type=int, default=32)
-    p.add_argument("--slots", type=int, default=8)
-    p.add_argument("--layers", type=int, default=24, help="distinct weight sets (calls) per CUDA graph")
-    p.add_argument("--top", type=int, default=2, help="configs of stage 1 refined in stage 2")
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=[1, 2, 4, 8])
+    p.add_argument("--rank", type=positive_int, default=32)
+    p.add_argument("--slots", type=positive_int, default=8)
+    p.add_argument("--layers", type=positive_int, default=24, help="distinct weight sets (calls) per CUDA graph")
+    p.add_argument("--top", type=positive_int, default=2, help="configs of stage 1 refined in stage 2")
     p.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 1)),
                    help="compile worker processes (0: compile while timing)")
     p.add_argument("--budget-s", type=float, default=170.0,
@@ -261,6 +262,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the table to this file (a copy of the package's)")
     p.add_argument("--no-package", action="store_true", help="write only --out, not the package's table")
     a = p.parse_args(argv)
+    if a.jobs < 0 or not a.budget_s > 0 or not a.hbm_tbs > 0:
+        p.error(f"--jobs must be >= 0, --budget-s and --hbm-tbs > 0 (got {a.jobs}, {a.budget_s}, {a.hbm_tbs})")
+    if a.out is not None and not os.access(os.path.dirname(os.path.abspath(a.out)) or ".", os.W_OK):
+        p.error(f"--out {a.out}: its folder is not writable")
     if not torch.cuda.is_available():
         print(f"{PROG}: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not available",
               file=sys.stderr)
