@@ -261,6 +261,8 @@ class MultiLoRAModel(nn.Module):
         if name in self.slots.names and not replace:
             raise ValueError(f"name: adapter {name!r} is already loaded in slot {self.slots.slot_of(name)}; "
                              f"pass replace=True to hot-swap it")
+        if name in self.slots.names:
+            self._check_unpinned(name, "replace")  # before the folder is read (checked again under the lock)
 
     def unload_adapter(self, name: str) -> None:
         """Zero the slot of ``name`` and free it; KeyError if not loaded, RuntimeError while requests of a
