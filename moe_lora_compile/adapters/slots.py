@@ -62,8 +62,14 @@ class AdapterWeights(dict):
 
     def pinned(self) -> "AdapterWeights":
         """A copy with every factor in pinned (page-locked) host memory, for asynchronous host-to-device copies."""
-        return AdapterWeights({name: type(lora)(**{f: None if t is None else t.pin_memory()
-                                                   for f, t in vars(lora).items()})
+        return self._map(torch.Tensor.pin_memory)
+
+    def cloned(self) -> "AdapterWeights":
+        """A copy with every factor in memory of its own."""
+        return self._map(torch.Tensor.clone)
+
+    def _map(self, fn) -> "AdapterWeights":
+        return AdapterWeights({name: type(lora)(**{f: None if t is None else fn(t) for f, t in vars(lora).items()})
                                for name, lora in self.items()}, owner=self.owner)
 
 
@@ -108,6 +114,12 @@ class AdapterSlots:
         self.linear_modules = linear_modules
         self.max_loras = max_loras
         self._slot_of: dict[str, int] = {}
+        self._writes = [0] * max_loras  # per slot: how many writes (loads, clears) it has seen
+
+    def writes(self, slot: int) -> int:
+        """A counter of the writes into ``slot`` (loads and clears): tells a slot's content apart from an earlier
+        one under the same name (:class:`~moe_lora_compile.serving.AdapterStore` checks its own loads with it)."""
+        return self._writes[slot]
 
     @property
     def names(self) -> dict[str, int]:
@@ -189,6 +201,7 @@ class AdapterSlots:
                          non_blocking=nb)
             _set_rank(module, slot, (_rank(lora.a if isinstance(lora, LinearLoRA) else None, 0),))
         self._slot_of[name] = slot
+        self._writes[slot] += 1
 
     @torch.no_grad()
     def clear(self, name: str) -> int:
@@ -203,4 +216,5 @@ class AdapterSlots:
                 getattr(module, buffer)[slot].zero_()
             _set_rank(module, slot, (0,))
         del self._slot_of[name]
+        self._writes[slot] += 1
         return slot

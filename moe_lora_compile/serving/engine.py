@@ -404,7 +404,14 @@ class ServingEngine:
                 continue
             try:
                 slot, held = self._acquire(adapter)
-            except NoFreeSlot:  # every slot is held by live requests: wait
+            except NoFreeSlot as error:  # every slot is held by live requests: wait for one to end
+                if not (self._running or self._prefilling or self.store.in_use):
+                    # nothing live holds a slot (they are taken by adapters loaded into mm directly): none will
+                    # ever be freed by this engine, so waiting would never end
+                    self._waiting.remove(handle)
+                    handle.error = error
+                    self._finish_handle(handle, "error")
+                    continue
                 if blocked is None:
                     blocked = handle
                 continue
@@ -437,9 +444,7 @@ class ServingEngine:
         if adapter is None:
             return NO_ADAPTER, False
         if self.store is not None and adapter in self.store:
-            slot = self.store.acquire([adapter])[0]
-            self.mm._pin_adapter(adapter)
-            return slot, True
+            return self.store.acquire([adapter])[0], True  # (the store pins what it holds)
         return self.mm._pin_adapter(adapter), False
 
     def _prefill(self) -> list[tuple[_Live, torch.Tensor]]:
@@ -600,10 +605,10 @@ class ServingEngine:
         self._free_rows.append(live.row)
         self._free_rows.sort()
         adapter = live.handle.request.adapter
-        if adapter is not None:
-            self.mm._unpin_adapter(adapter)
         if live.held:
             self.store.release([adapter])
+        elif adapter is not None:
+            self.mm._unpin_adapter(adapter)
         self._finish_handle(live.handle, reason)
 
     def _finish_handle(self, handle: RequestHandle, reason: str) -> None:

@@ -15,7 +15,9 @@ host-to-device copies run ``non_blocking`` on a side stream: they wait only for 
 current stream then waits for the copies before anything it enqueues next. On the CPU they are plain copies.
 
 Every error (unknown name, a bad folder, every slot held by in-flight requests) is raised before anything changes:
-slots, residency, LRU order, in-use counts and counters stay exactly as they were.
+slots, residency, LRU order, in-use counts and counters stay exactly as they were (a folder read before a
+:class:`NoFreeSlot` keeps its parsed copy). The store recognizes its own loads (``mm.slots.writes``): an adapter
+unloaded from ``mm`` directly, or loaded again there under the same name, is no longer taken as resident.
 
 With :class:`~moe_lora_compile.graphs.DecodeGraphs` (a prefill resolves names to slots for the whole generation, so
 hold the adapters until its last step)::
@@ -91,9 +93,12 @@ class AdapterStore:
         self.device = mm.token_lora_ids.device
         on_cuda = self.device.type == "cuda"
         self.pin_memory = on_cuda if pin_memory is None else bool(pin_memory)
+        if self.pin_memory and not torch.cuda.is_available():
+            raise ValueError("pin_memory=True needs CUDA (pinned host memory is page-locked for GPU copies)")
         self._lock = threading.RLock()
         self._entries: dict[str, _Entry] = {}
         self._lru: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, least recently used first
+        self._written: dict[str, int] = {}  # resident name -> mm.slots.writes(slot) right after the store loaded it
         self._in_use: dict[str, int] = {}  # name -> acquire count (only names > 0)
         self._counters = StoreCounters()
         self._stream = torch.cuda.Stream(self.device) if on_cuda else None
@@ -152,7 +157,10 @@ class AdapterStore:
                     self._counters.disk_loads += 1
                     self._counters.parse_seconds += seconds
             else:
-                entry = _Entry(None, self._host_copy(self.mm.parse_adapter(source)))
+                weights = self.mm.parse_adapter(source)
+                if not isinstance(source, AdapterWeights) and not self.pin_memory:
+                    weights = weights.cloned()  # the caller's dict may share its tensors: keep a copy of our own
+                entry = _Entry(None, self._host_copy(weights))
             self._entries[name] = entry
 
     def unregister(self, name: str) -> None:
@@ -168,6 +176,7 @@ class AdapterStore:
                 with self.mm.lock:
                     self.mm.unload_adapter(name)
                 self._released.pop(self._lru.pop(name), None)
+                del self._written[name]
             del self._entries[name]
 
     # --- serving -------------------------------------------------------------------------------------------------
@@ -176,21 +185,31 @@ class AdapterStore:
         slot and evicting least-recently-used adapters that no in-flight request holds. The adapters stay in their
         slots until :meth:`release` with the same ``names``.
 
-        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load;
-        :class:`NoFreeSlot` (a RuntimeError) when the adapters not in a slot do not fit in the slots that are free
-        or held by no request. On any error nothing changes (slots, residency, LRU order, in-use counts,
-        counters)."""
+        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load, or for a
+        name that was loaded into the model directly; :class:`NoFreeSlot` (a RuntimeError) when the adapters not in
+        a slot do not fit in the slots that are free or held by no request. On any error nothing changes (slots,
+        residency, LRU order, in-use counts, counters), except that folders read before a :class:`NoFreeSlot` keep
+        their parsed host copy (counted in ``disk_loads``): a request waiting for a slot does not re-read them.
+        Held adapters are pinned in ``mm``: its unload / replace of them raise until :meth:`release`."""
         wanted = _distinct(names)
         with self._lock:
             self._check_known(wanted)
             self._sync()
             missing = [n for n in wanted if n not in self._lru]
-            # parse first (may fail: nothing changed yet); committed to the entries only when all went well
+            direct = [n for n in missing if n in self.mm.adapters]
+            if direct:  # loaded with mm.load_adapter under a store name: neither may silently replace the other
+                raise ValueError(f"adapters: {direct} are loaded into the model directly (mm.load_adapter) under "
+                                 f"names registered in this store; unload them from the model first")
+            # parse first (may fail: nothing changed yet); committed to the entries once all parsed
             parsed, parse_seconds = {}, 0.0
             for n in missing:
                 if self._entries[n].weights is None:
                     parsed[n], seconds = self._parse(self._entries[n])
                     parse_seconds += seconds
+            for n, weights in parsed.items():  # kept even if no slot is found below: a request waiting for a
+                self._entries[n].weights = weights  # slot does not re-read its folder at every retry
+            self._counters.disk_loads += len(parsed)
+            self._counters.parse_seconds += parse_seconds
             free = self._free_slots()
             evictable = [n for n in self._lru if not self._in_use.get(n) and n not in wanted]
             if len(missing) > len(free) + len(evictable):
@@ -203,11 +222,7 @@ class AdapterStore:
                     victim = evictable.pop(0)
                     plan.append((n, self._lru[victim], victim))
             # from here on nothing is expected to fail
-            for n, weights in parsed.items():
-                self._entries[n].weights = weights
             c = self._counters
-            c.disk_loads += len(parsed)
-            c.parse_seconds += parse_seconds
             c.hits += len(wanted) - len(missing)
             c.misses += len(missing)
             for n, slot, victim in plan:
@@ -220,10 +235,13 @@ class AdapterStore:
                 if victim is not None:
                     c.evictions += 1
                     del self._lru[victim]
+                    del self._written[victim]
                 self._lru[n] = slot
+                self._written[n] = self.mm.slots.writes(slot)
             for n in wanted:
                 self._lru.move_to_end(n)
                 self._in_use[n] = self._in_use.get(n, 0) + 1
+                self.mm._pin_adapter(n)  # mm refuses to unload or replace it while held
             return [NO_ADAPTER if n is None else self._lru[n] for n in names]
 
     def release(self, names: Sequence[Optional[str]]) -> None:
@@ -239,6 +257,7 @@ class AdapterStore:
                 self._in_use[n] -= 1
                 if not self._in_use[n]:
                     del self._in_use[n]
+                self.mm._unpin_adapter(n)
                 if self._stream is not None and n in self._lru:
                     event = torch.cuda.Event()
                     event.record(torch.cuda.current_stream(self.device))
@@ -267,11 +286,12 @@ class AdapterStore:
             raise KeyError(f"adapters: unknown adapter(s) {unknown}; registered: {sorted(self._entries)}")
 
     def _sync(self) -> None:
-        """Drop residency records that the model no longer backs (an adapter unloaded from ``mm`` directly)."""
+        """Drop residency records that the model no longer backs: an adapter unloaded from ``mm`` directly, or its
+        slot written since the store's own load (unloaded and loaded again under that name, directly)."""
         loaded = self.mm.adapters
         for n, slot in list(self._lru.items()):
-            if loaded.get(n) != slot:
-                del self._lru[n]
+            if loaded.get(n) != slot or self.mm.slots.writes(slot) != self._written[n]:
+                del self._lru[n], self._written[n]
 
     def _free_slots(self) -> list[int]:
         used = set(self.mm.adapters.values())

@@ -234,6 +234,20 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(setup):
     assert store.in_use == {} and "broken" not in setup.model.adapters
 
 
+def test_a_request_no_slot_can_ever_serve_fails(setup):
+    """Every slot taken by adapters loaded into mm directly and nothing live: a request for a store adapter ends
+    with "error" (NoFreeSlot) instead of waiting forever (result() used to spin)."""
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    mm.load_adapter("direct", os.path.join(setup.workdir, "alpha"))
+    store = AdapterStore(mm)
+    store.register("paged", os.path.join(setup.workdir, "beta"))
+    engine = _engine(mm, store=store)
+    handle = engine.submit(setup.prompts[0], adapter="paged", max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="no slot for"):
+        handle.result()
+    assert handle.finish_reason == "error" and engine.idle and store.in_use == {}
+
+
 def test_a_raising_callback_fails_only_its_request(setup):
     """``on_token`` raising ends its own request with finish_reason "error" (row and adapter freed, result()
     re-raises the callback's error); the request beside it finishes with its usual tokens. Before, the error

@@ -21,7 +21,7 @@ from moe_lora_compile.adapters import ExpertsLoRA, LinearLoRA
 from moe_lora_compile.graphs import DecodeGraphs
 from moe_lora_compile.models import attach
 from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
-from moe_lora_compile.serving import AdapterStore
+from moe_lora_compile.serving import AdapterStore, NoFreeSlot
 
 FAMILY = "qwen3_moe"
 NAMES = ["a", "b", "c", "d", "e"]
@@ -342,3 +342,45 @@ def test_gpu_paging_with_captured_graphs(setup):
         expected = truth_mm.generate(input_ids, adapters=names, max_new_tokens=4, do_sample=False)
         assert torch.equal(tokens, expected), names
     assert store.counters.evictions >= 6 and store.counters.bytes_copied > 0
+
+
+def test_direct_loads_under_store_names_are_never_taken_for_the_stores_own(setup):
+    """Adapters loaded with mm.load_adapter under a name the store also knows: acquire refuses them before anything
+    changes (it used to evict a resident adapter first), and a resident adapter unloaded and loaded again directly
+    under its name is no longer taken as the store's copy (it used to be served as a hit with the other weights)."""
+    mm, store = _store(setup)
+    store.acquire(["b"])
+    store.release(["b"])
+    mm.load_adapter("a", setup["paths"]["c"])  # "a"'s name, "c"'s weights, loaded directly into the free slot
+    before = _snapshot(mm, store)
+    with pytest.raises(ValueError, match=r"\['a'\] are loaded into the model directly"):
+        store.acquire(["a"])
+    _assert_same(before, _snapshot(mm, store))  # "b" stays resident
+    mm.unload_adapter("a")
+    store.acquire(["a"])  # the store's own "a" now
+    store.release(["a"])
+    mm.unload_adapter("a")
+    mm.load_adapter("a", setup["paths"]["d"])  # same name, same slot, other weights: written since the store's load
+    assert "a" not in store.resident
+    with pytest.raises(ValueError, match="loaded into the model directly"):
+        store.acquire(["a"])
+    mm.unload_adapter("a")
+    torch.testing.assert_close(_logits(mm, store, setup, ["a"]), setup["truth"]["a"][:1])
+
+
+def test_held_adapters_are_pinned_in_the_model(setup):
+    """acquire pins (mm refuses to unload or replace the adapter), release unpins; a waiting request's folder is read
+    once however often it finds no slot."""
+    mm, store = _store(setup, max_loras=1)
+    store.acquire(["a"])
+    with pytest.raises(RuntimeError, match="cannot unload adapter 'a'"):
+        mm.unload_adapter("a")
+    with pytest.raises(RuntimeError, match="cannot replace adapter 'a'"):
+        mm.load_adapter("a", setup["paths"]["b"], replace=True)
+    for _ in range(3):
+        with pytest.raises(NoFreeSlot):
+            store.acquire(["b"])
+    assert store.counters.disk_loads == 2  # a, then b once (kept while it waits)
+    store.release(["a"])
+    assert mm._pins == {} and store.acquire(["b"]) == [0] and store.counters.disk_loads == 2
+    store.release(["b"])
