@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import build_model, log, make_adapters, sync  # noqa: E402
 
 import moe_lora_compile as mlc  # noqa: E402
+from moe_lora_compile.__main__ import OneLineParser, int_at_least  # noqa: E402
 from moe_lora_compile.serving import AdapterStore, Request, ServingEngine  # noqa: E402
 from moe_lora_compile.shapes import DECODE_MODELS  # noqa: E402
 
@@ -296,18 +297,6 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -318,18 +307,11 @@ def _positive_float(text: str) -> float:
     return value
 
 
-POSITIVE, NON_NEGATIVE = _int_at_least(1), _int_at_least(0)
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr (exit code 2), as the package's command line does."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+POSITIVE, NON_NEGATIVE = int_at_least(1), int_at_least(0)
 
 
 def parser(prog=None) -> argparse.ArgumentParser:
-    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, choices=list(DECODE_MODELS), help="default gpt-oss-20b")
     p.add_argument("--tiny", action="store_true", help="tiny GPT-OSS on the CPU, small workload (a smoke test)")
     p.add_argument("--requests", type=POSITIVE, default=32,

@@ -208,15 +208,20 @@ def run_dump(folder: str, family: str = "qwen3_moe", *, dtype: str = "float32", 
     return report
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (else the one-line usage error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_at_least(low: int):
+    """argparse type: an int >= ``low`` (else the one-line usage error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 class OneLineParser(argparse.ArgumentParser):
