@@ -246,7 +246,12 @@ def test_gpu_gpt_oss_mixed_ranks(T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 32])
 def test_gpu_lora_linear_mixed_ranks(T):
-    """GPT-OSS-20B's q_proj shape in bf16 with slots of rank 8/16/64 (NaN padding) vs the oracle."""
+    """GPT-OSS-20B's q_proj shape in bf16 with slots of rank 8/16/64 (NaN padding) vs the oracle, row by row
+    relative to each row's norm: the GEMM path (T > 4) feeds the expand's ``tl.dot`` the rank vector rounded to
+    bf16 (as PEFT's bf16 LoRA does), so rows of |y| ~ 100 carry ~0.1-0.6 absolute error, and an elementwise
+    atol fails where y crosses zero (H200 2026-12-04, T=32: 768 of 131072 elements; an emulation that rounds the
+    rank vector to bf16 gives the same 768, one that keeps it in fp32 gives 0). A row given another slot's delta,
+    or none, is off by O(1) of its norm."""
     H = GPT_OSS_20B.H
     L = len(GPU_RANKS)
     (x, w, a, b, ids), bias = make_linear(T=T, n_in=H, n_out=4096, L=L, R=64, ids="mixed", bias=True,
@@ -256,4 +261,5 @@ def test_gpu_lora_linear_mixed_ranks(T):
     y = mlc.lora_linear(*(t.cuda() for t in (x, w, da, db, ids)), bias=bias.cuda(),
                         lora_ranks=torch.tensor(GPU_RANKS, dtype=torch.int32, device="cuda"))
     assert torch.isfinite(y).all()
-    torch.testing.assert_close(y.double(), expected, **TOLERANCES[torch.bfloat16])
+    row_err = (y.double() - expected).norm(dim=1) / expected.norm(dim=1)
+    assert row_err.max() < 1e-2, row_err
