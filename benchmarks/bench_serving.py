@@ -24,6 +24,10 @@ TTFT against the arrival rate).
     python benchmarks/bench_serving.py --model gpt-oss-20b --requests 32 --json s.json --md s.md --png s.png
     python benchmarks/bench_serving.py --buckets 8 16 32 --configs no_lora lora8 ...   # fewer compiles / runs
     python benchmarks/bench_serving.py --tiny   # CPU smoke test (tiny GPT-OSS, a few seconds; no timing claims)
+
+A run that does not fit one device call can be split by load: ``--rates R_LOW R_NEAR R_OVER --loads over`` runs one
+of the three rates (labels kept), and ``--render a.json b.json --md m.md --png p.png`` merges the runs of several
+JSON files (the later file's run wins where two ran the same config and load) into one table and plot.
 """
 
 from __future__ import annotations
@@ -206,6 +210,8 @@ def run(args, on_row=None) -> list[dict]:
     # near saturation first (the targets' main rate, the one-adapter-at-a-time baseline's only rate with
     # --grouped-near-only), then low, then overload: a run cut short keeps what the targets read first
     order = [1, 0, 2] if len(rates) == 3 else list(range(len(rates)))
+    if len(rates) == 3:
+        order = [i for i in order if LOADS[i] in args.loads]
     for r_i in order:
         rate = rates[r_i]
         for config in sorted(args.configs, key=lambda c: CONFIGS.index(c) if c != "grouped8" else 1.5):
@@ -223,14 +229,30 @@ def run(args, on_row=None) -> list[dict]:
                 with store.use(resident):  # all 8 resident before the run: its loads are the run's own
                     pass
             result = serve(engine, arrivals, requests)
-            rows.append(dict(kind="run", config=config, rate=rate, load=["low", "near", "over"][min(r_i, 2)]
-                             if len(rates) == 3 else str(r_i), **result))
+            rows.append(dict(kind="run", config=config, rate=rate, load=LOADS[r_i] if len(rates) == 3 else str(r_i), **result))
             log(f"{config} @ {rate:.3f} req/s: {result['otps']:.1f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms "
                 f"p99 {result['ttft_p99_ms']:.0f} ms, ITL p50 {result['itl_p50_ms']:.1f} ms p99 "
                 f"{result['itl_p99_ms']:.1f} ms, batch {result['mean_batch']:.1f}, loads {result.get('adapter_loads')}")
             if on_row is not None:  # results so far written after every run (a run cut short keeps them)
                 on_row(rows)
     return rows
+
+
+LOADS = ("low", "near", "over")
+
+
+def merge(files: list[str]) -> list[dict]:
+    """The rows of several ``--json`` files as one run: the first file's setup row, every file's run rows (a later
+    file's row replaces an earlier one of the same config and load)."""
+    setup, runs = None, {}
+    for path in files:
+        with open(path) as f:
+            rows = json.load(f)
+        if not rows or rows[0].get("kind") != "setup":
+            raise SystemExit(f"--render: {path} is not a bench_serving --json file")
+        setup = setup or rows[0]
+        runs.update({(r["config"], r["load"]): r for r in rows if r.get("kind") == "run"})
+    return [setup, *runs.values()]
 
 
 def to_markdown(rows: list[dict]) -> str:
@@ -269,6 +291,11 @@ def to_markdown(rows: list[dict]) -> str:
     skipped = [f"{r['config']} @ {r['rate']:.3f}" for r in rows if r["kind"] == "skipped"]
     if skipped:
         out.append(f"- not run (--budget-s spent): {', '.join(skipped)}")
+    ran = {(r["config"], r["load"]) for r in runs}
+    missing = [f"{c} @ {load}" for load in LOADS if any(r["load"] == load for r in runs) for c in setup["configs"]
+               if (c, load) not in ran and not (c == "grouped8" and setup.get("grouped_near_only") and load != "near")]
+    if missing:  # e.g. a run killed at its time limit: the verdicts above read only the runs that finished
+        out.append(f"- no result (the run ended first): {', '.join(missing)}")
     return "\n".join(out) + "\n"
 
 
@@ -338,6 +365,10 @@ def parser(prog=None) -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=NON_NEGATIVE, default=0,
                    help="draft tokens per request and step (prompt lookup; random prompts rarely match: this measures "
                         "the cost of verifying drafts more than their gain)")
+    p.add_argument("--loads", nargs="+", choices=LOADS, default=list(LOADS),
+                   help="which of the three rates to run (labels kept; with --rates, give all three rates)")
+    p.add_argument("--render", nargs="+", metavar="JSON",
+                   help="no run: merge these --json files' runs into --md / --png (a run split over device calls)")
     p.add_argument("--grouped-near-only", action="store_true",
                    help="run grouped8 only at the near-saturation rate (its runs are the longest)")
     p.add_argument("--budget-s", type=float, default=None,
@@ -385,6 +416,10 @@ def main(argv=None, prog=None) -> int:
     problem = _outputs_error(args)  # before minutes of model building and runs
     if problem:
         p.error(problem)
+    if args.loads != list(LOADS) and args.rates and len(args.rates) != 3:
+        p.error(f"--loads picks among three rates; --rates gave {len(args.rates)}")
+    if args.loads != list(LOADS) and not args.rates and len(args.load_factors) != 3:
+        p.error(f"--loads picks among three rates; --load-factors gave {len(args.load_factors)}")
 
     def write(rows):
         if args.json:
@@ -394,7 +429,14 @@ def main(argv=None, prog=None) -> int:
             with open(args.md, "w") as f:
                 f.write(to_markdown(rows))
 
-    rows = run(args, on_row=write)
+    if args.render:
+        missing = [f for f in args.render if not os.path.isfile(f)]
+        if missing:
+            p.error(f"--render: no such file: {missing[0]}")
+        rows = merge(args.render)
+        args.json = None  # nothing ran: the inputs stay as they are
+    else:
+        rows = run(args, on_row=write)
     write(rows)
     print(to_markdown(rows))
     if args.png:

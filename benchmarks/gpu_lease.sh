@@ -4,10 +4,12 @@
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh tests     # all gpu-marked tests (xdist, -v: a test's outcome is logged
 #                                                       # as it ends, so a kill keeps the names), then micro-benchmarks
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh serving   # benchmarks/bench_serving.py, GPT-OSS-20B geometry
-#   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode    # bench_decode: ours + HF eager/PEFT, hf_compiled in a
-#                                                       # second process (--gpu-lock), then the chat-shaped run
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode    # bench_decode GPT-OSS-20B: ours + HF eager/PEFT at batch
+#                                                       # 1/8/32/64, then the chat-shaped run
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode2   # bench_decode Qwen3-30B-A3B (batch 1/8), GPT-OSS's
+#                                                       # hf_compiled in a second process (--gpu-lock)
 set -uo pipefail
-CALL=${1:?tests|serving|decode}
+CALL=${1:?tests|serving|decode|decode2}
 OUT=${OUT:-/tmp/moe_lora_out}
 W="$OUT/$CALL"; export W
 mkdir -p "$W"
@@ -28,6 +30,12 @@ step() {  # step NAME SECONDS CMD...: run with a time limit (capped by what the 
 'transformers', transformers.__version__, 'peft', peft.__version__)"; git log --oneline -1 2>/dev/null; } \
   > "$W/env.txt" 2>&1
 cat "$W/env.txt"
+
+render_decode() {
+  python3 benchmarks/bench_decode.py --render "$W"/decode_*.json --md "$W/decode.md" --png "$W/decode.png" \
+    > /dev/null 2>&1
+  grep -h "tok/s\|compile" "$W"/decode_*.log | tail -40
+}
 
 case $CALL in
 tests)
@@ -53,28 +61,37 @@ tests)
   [ -n "${EXTRA_TESTS_CALL:-}" ] && step extra 240 bash -c "$EXTRA_TESTS_CALL"
   ;;
 serving)
+  # all three rates did not fit one call on 2026-12-04 (engine ready in 184 s, 12 runs' arrivals 267 s): split it
+  # with SERVING_ARGS="--rates LOW NEAR OVER --loads over ..." and merge with bench_serving.py --render
   step serving 560 python3 benchmarks/bench_serving.py --model gpt-oss-20b ${SERVING_ARGS:-} \
     --json "$W/serving.json" --md "$W/serving.md" --png "$W/serving.png"
   tail -30 "$W/serving.log"
   [ -n "${EXTRA_SERVING_CALL:-}" ] && step extra 200 bash -c "$EXTRA_SERVING_CALL"
   ;;
 decode)
+  # ours (4 compiled buckets, ~50 s each on the H200) + HF eager / PEFT, then the chat-shaped run: ~450 s alone. The
+  # 2026-12-04 lease ran hf_compiled beside it in a second process: both compiles slowed and this step hit its limit
+  step decode_main 380 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 32 64 --prompt 512 \
+    --new 128 --columns hf_eager hf_peft ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill \
+    --profile 1 8 ${DECODE_ARGS:-} --json "$W/decode_main.json"
+  step decode_chat 170 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 --prompt 1600 --new 600 \
+    --columns hf_eager ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill --profile 1 \
+    ${DECODE_ARGS:-} --json "$W/decode_chat.json"
+  render_decode
+  ;;
+decode2)
+  # the second geometry (48 layers: compiles take ~2x) and GPT-OSS's hf_compiled (198 + 126 s of compiles on
+  # 2026-12-04) in a second process; the timed sections of both hold $LOCK
   LOCK=/tmp/gpu_timing.lock
-  # hf_compiled (two compiles of minutes) in a second process; timed sections of both hold $LOCK
-  timeout --signal=INT 420 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 --prompt 512 \
+  timeout --signal=INT 540 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 --prompt 512 \
     --new 128 --columns hf_compiled --hf-new 32 --gpu-lock "$LOCK" --json "$W/decode_hfc.json" \
     > "$W/decode_hfc.log" 2>&1 &
   HFC=$!
-  step decode_main 360 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 32 64 --prompt 512 \
-    --new 128 --columns hf_eager hf_peft ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill \
-    --profile 1 8 --gpu-lock "$LOCK" ${DECODE_ARGS:-} --json "$W/decode_main.json"
+  step decode_qwen 540 python3 benchmarks/bench_decode.py --models qwen3-30b-a3b --batches 1 8 --prompt 512 \
+    --new 128 --columns hf_eager ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill --profile 1 \
+    --gpu-lock "$LOCK" ${DECODE_ARGS:-} --json "$W/decode_qwen.json"
   wait $HFC; echo "decode_hfc rc=$?" | tee -a "$W/steps.txt"
-  step decode_chat 170 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 --prompt 1600 --new 600 \
-    --columns hf_eager ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill --profile \
-    ${DECODE_ARGS:-} --json "$W/decode_chat.json"
-  python3 benchmarks/bench_decode.py --render "$W"/decode_*.json --md "$W/decode.md" --png "$W/decode.png" \
-    > /dev/null 2>&1
-  grep -h "tok/s\|compile" "$W"/decode_*.log | tail -40
+  render_decode
   ;;
 esac
 cp "$W"/*.md "$W"/*.png "$OUT/" 2>/dev/null

@@ -70,3 +70,24 @@ def test_serve_bench_with_draft_tokens(tmp_path):
     (run,) = [r for r in json.load(open(out)) if r["kind"] == "run"]
     assert run["output_tokens"] == 3 * 6 and run["draft_tokens"] > 0
     assert 0 <= run["accepted_draft_tokens"] <= run["draft_tokens"]
+
+
+def test_serve_bench_split_by_load_then_rendered(tmp_path):
+    """A run split over two calls (--loads) keeps each rate's label, and --render merges the two JSON files into one
+    table with all three loads (the later file's row wins for a config and load run twice)."""
+    rates = ["--rates", "1000", "2000", "3000", "--requests", "1", "--new", "2", "--jitter", "0", "--configs", "no_lora"]
+    first, second, md = (str(tmp_path / n) for n in ("over.json", "rest.json", "all.md"))
+    assert main(["serve-bench", *rates, "--loads", "over", "--json", first]) == 0
+    assert main(["serve-bench", *rates, "--loads", "near", "low", "--json", second]) == 0
+    (over,) = [r for r in json.load(open(first)) if r["kind"] == "run"]
+    assert (over["load"], over["rate"]) == ("over", 3000.0)
+    assert sorted(r["load"] for r in json.load(open(second)) if r["kind"] == "run") == ["low", "near"]
+    assert main(["serve-bench", "--render", first, second, first, "--md", md]) == 0
+    table = [line for line in open(md) if "| no_lora |" in line]
+    assert [line.split("|")[1].strip() for line in table] == ["low", "near", "over"]
+
+
+def test_serve_bench_loads_need_three_rates(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["serve-bench", "--tiny", "--rates", "1", "2", "--loads", "over"])
+    assert exited.value.code == 2 and "three rates" in capsys.readouterr().err
