@@ -568,7 +568,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=["default", "triton"], default="default",
                    help="DecodeGraphs(attention=...): triton runs every decode step's attention through the "
                         "flash-decoding kernel moe_lora.decode_attention; default: the model's (folded) attention")
-    p.add_argument("--profile", nargs="*", type=int, default=[1, 8], help="batches to profile (none: no profile)")
+    p.add_argument("--profile", nargs="*", type=int, default=[1, 8],
+                   help="batches to profile (default 1 8; the flag alone: every batch of --batches)")
+    p.add_argument("--no-profile", action="store_true", help="no torch.profiler breakdown")
     p.add_argument("--check", action="store_true", help="compare the compiled prefill with the eager model")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny qwen3_moe, fp32, few tokens")
     p.add_argument("--gpu-lock", help="lock file held around every timed section: lets a second benchmark process "
@@ -578,6 +580,10 @@ def main(argv=None) -> int:
                    help="measure nothing: merge the rows of these --json files (e.g. two processes of one run) "
                         "into --md / --png")
     args = p.parse_args(argv)
+    if args.no_profile:
+        args.profile = []
+    elif args.profile == []:  # a bare --profile once meant "none" and silently dropped the profile a run asked for
+        args.profile = list(args.batches)
     if args.render:
         return render(args.render, args.md, args.png)
     global _GPU_LOCK
