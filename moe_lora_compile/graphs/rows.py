@@ -46,7 +46,7 @@ import contextlib
 import dataclasses
 import inspect
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -190,8 +190,9 @@ class RowGraphs:
     ``batch_sizes``: the buckets (default: powers of two up to ``max_rows``, and ``max_rows``); ``prefill_chunk``:
     the most prompt tokens one :meth:`prefill` call takes (also bounded by ``mm.token_lora_ids``); ``capture``,
     ``compile``, ``compile_prefill``, ``fold_gqa``, ``pad_token_id``, ``warmup``, ``log``: as in
-    :class:`~moe_lora_compile.graphs.DecodeGraphs` (``fold_gqa``: eager attention without ``repeat_kv`` copies of
-    the cache; it switches ``mm.model``'s attention implementation for good). ``attention="triton"``: the steps'
+    :class:`~moe_lora_compile.graphs.DecodeGraphs` (``fold_gqa``: True / ``"eager"`` runs eager attention without
+    ``repeat_kv`` copies of the cache, switching ``mm.model``'s attention implementation for good; False / ``"off"``
+    changes nothing; ``"all"`` is refused, a DecodeGraphs-only mode). ``attention="triton"``: the steps'
     attention runs the flash-decoding Triton kernel (``moe_lora.decode_attention``; prefill unchanged), as in
     :class:`~moe_lora_compile.graphs.DecodeGraphs`. ``num_speculative_tokens``: ``k`` draft tokens per row and step
     (see the module docstring); steps then return ``[rows, 1 + k, V]``.
@@ -207,14 +208,19 @@ class RowGraphs:
     def __init__(self, mm, *, max_rows: int = 8, max_cache_len: int = 1024,
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
                  capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
-                 fold_gqa: bool = True, pad_token_id: Optional[int] = None, warmup: int = 2,
+                 fold_gqa: Union[bool, str] = True, pad_token_id: Optional[int] = None, warmup: int = 2,
                  log: Optional[Callable[[str], None]] = print, attention: str = "default",
                  num_speculative_tokens: int = 0):
         from ..models.attach import MultiLoRAModel
-        from ..models.attention import attention_mode, use_folded_gqa_attention
+        from ..models.attention import attention_mode, fold_gqa_mode, use_folded_gqa_attention
 
         if not isinstance(mm, MultiLoRAModel):
             raise TypeError(f"mm must be a MultiLoRAModel (from moe_lora_compile.attach), got {type(mm).__name__}")
+        fold = fold_gqa_mode(fold_gqa)
+        if fold == "all":
+            raise ValueError("fold_gqa='all' (SDPA models' steps through the folded attention) is a DecodeGraphs "
+                             "mode; RowGraphs and ServingEngine take True / 'eager' (fold eager-attention models) "
+                             "or False / 'off'")
         for arg, value, low in (("max_rows", max_rows, 1), ("max_cache_len", max_cache_len, 2),
                                 ("prefill_chunk", prefill_chunk, 1), ("num_speculative_tokens", num_speculative_tokens, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -242,7 +248,7 @@ class RowGraphs:
         num_slots = max_cache_len + q  # the real slots, then q scratch slots for padding rows
         mask_spec(text_config, num_slots, self.dtype)  # refuse what per-row masks cannot express first
         self.attention = attention_mode(attention)
-        if fold_gqa:
+        if fold == "eager":
             use_folded_gqa_attention(mm.model)
         self.spec = mask_spec(text_config, num_slots, self.dtype)
         options = compile_options(compile)

@@ -1,5 +1,5 @@
-"""The custom ops (``torch.ops.moe_lora.*``: ``fused_moe_lora``, ``lora_linear``, ``route``,
-``decode_attention``), their pure-PyTorch references, the shared contract and the expert layouts."""
+"""The custom ops (``torch.ops.moe_lora.*``: ``fused_moe_lora``, ``fused_moe_lora_mxfp4``, ``lora_linear``,
+``route``, ``decode_attention``), their pure-PyTorch references, the shared contract and the expert layouts."""
 
 from .contract import ACTIVATIONS
 from .decode_attention import decode_attention, decode_attention_reference

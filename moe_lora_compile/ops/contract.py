@@ -386,5 +386,9 @@ def check_fused_moe_lora_mxfp4_args(
                        f"x.shape[1] = {H}; got {_shape(w13_blocks)} (H = {w13.shape[1]})")
     torch._check_value(w2.shape[2] == H, lambda: f"w2_blocks must have shape [E, H, I/32, 16] with H = "
                        f"x.shape[1] = {H}; got {_shape(w2_blocks)}")
+    torch._check_value(w2.shape[0] == w13.shape[0], lambda: f"w2_blocks must have as many experts as w13_blocks "
+                       f"({w13.shape[0]}); got {_shape(w2_blocks)} and {_shape(w13_blocks)}")
+    torch._check_value(2 * w2.shape[1] == w13.shape[2], lambda: f"w2_blocks must have shape [E, H, I/32, 16] with "
+                       f"2I = w13_blocks.shape[1] = {w13.shape[2]}; got {_shape(w2_blocks)} (I = {w2.shape[1]})")
     check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2,
                               lora_b2, w13_bias, w2_bias, layout, activation)

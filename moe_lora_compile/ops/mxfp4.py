@@ -154,6 +154,9 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, dtype: torch.dtype = torch.
     """blocks uint8 ``[E, N, K/32, 16]``, scales uint8 ``[E, N, K/32]`` -> ``[E, K, N]`` in ``dtype``
     (contiguous), bit-exact against transformers' ``convert_moe_packed_tensors``."""
     check_mxfp4("dequantize_mxfp4", blocks, scales)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) or dtype.itemsize < 2:
+        raise TypeError(f"dequantize_mxfp4: dtype must be a floating dtype of >= 16 bits (bfloat16, float16, "
+                        f"float32, float64), got {dtype}")
     E, N, G, _ = blocks.shape
     table = torch.tensor(FP4_E2M1_VALUES, dtype=dtype, device=blocks.device)
     low = table[(blocks & 0x0F).long()]
@@ -238,8 +241,10 @@ def fused_moe_lora_mxfp4_reference(
         if not isinstance(w, Mxfp4Weight):
             raise TypeError(f"{name} must be an Mxfp4Weight, got {type(w).__name__}")
     w13_dq, w2_dq = w13.dequantize(x.dtype), w2.dequantize(x.dtype)
-    check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13_dq, w2_dq, lora_a13, lora_b13,
-                              lora_a2, lora_b2, w13_bias, w2_bias, layout, activation)
+    if not torch.compiler.is_compiling():  # traced (a model attached with use_ops=False), the checks' message
+        # closures would break the graph at every MoE layer; the shapes are the traced graph's own
+        check_fused_moe_lora_args(x, topk_ids, topk_weights, token_lora_ids, w13_dq, w2_dq, lora_a13, lora_b13,
+                                  lora_a2, lora_b2, w13_bias, w2_bias, layout, activation)
     return fused_moe_lora_reference(
         x, topk_ids, topk_weights, token_lora_ids, w13_dq, w2_dq, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,

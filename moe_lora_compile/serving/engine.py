@@ -45,7 +45,7 @@ import numbers
 import threading
 import time
 from collections.abc import Sequence
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -165,7 +165,7 @@ class ServingEngine:
     def __init__(self, mm, store: Optional[AdapterStore] = None, *, max_rows: int = 8, max_cache_len: int = 1024,
                  batch_sizes: Optional[Sequence[int]] = None, prefill_chunk: int = 512,
                  capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
-                 fold_gqa: bool = True, schedule: str = "mixed", max_bypass: Optional[int] = None,
+                 fold_gqa: Union[bool, str] = True, schedule: str = "mixed", max_bypass: Optional[int] = None,
                  log: Optional[Callable[[str], None]] = print, attention: str = "default",
                  num_speculative_tokens: int = 0, draft: Optional[Callable] = None):
         if store is not None and store.mm is not mm:

@@ -83,6 +83,15 @@ def test_bad_mxfp4_tensors_are_refused(blocks, scales, error):
         Mxfp4Weight(blocks, scales)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.complex64, torch.uint8, torch.float8_e4m3fn, "bf16"],
+                         ids=str)
+def test_dequantize_refuses_non_float_dtypes(dtype):
+    """int32 truncated 0.5 to 0, bool gave all True, complex64 complex values; uint8 / float8 failed inside torch."""
+    blocks, scales = torch.zeros(1, 2, 1, 16, dtype=torch.uint8), torch.full((1, 2, 1), 127, dtype=torch.uint8)
+    with pytest.raises(TypeError, match="floating dtype"):
+        dequantize_mxfp4(blocks, scales, dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # quantization (test weights)
 
@@ -281,6 +290,26 @@ def test_build_refuses_bad_configs(change, match):
         setattr(config, key, value)
     with pytest.raises(ValueError, match=match):
         build_mxfp4_gpt_oss(config)
+
+
+def test_unfused_reference_model_compiles_to_one_graph():
+    """attach(use_ops=False) runs the MXFP4 experts through the pure-PyTorch reference: its argument checks (message
+    closures) broke the graph at every MoE layer (fullgraph failed; 42 graphs with dynamic=True). Now one graph for
+    all shapes >= 2 with dynamic=True, equal to eager."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    mm = mlc.attach(build_mxfp4_gpt_oss(_mxfp4_config(), dtype=torch.float32), max_loras=2, max_rank=4,
+                    use_ops=False)
+    batches = [torch.randint(3, 128, shape) for shape in [(2, 3), (3, 5)]]
+    with torch.no_grad():
+        eager = [mm(ids, adapters=None, use_cache=False).logits for ids in batches]
+        counter = CompileCounter()
+        mm.model.forward = torch.compile(mm.model.forward, backend=counter, fullgraph=True, dynamic=True)
+        for ids, want in zip(batches, eager):
+            torch.testing.assert_close(mm(ids, adapters=None, use_cache=False).logits, want,
+                                       **TOLERANCES[torch.float32])
+    assert counter.frame_count == 1
 
 
 def test_build_refuses_other_families():

@@ -234,7 +234,12 @@ def _bad(index, value):
     (_bad(6, lambda b: b[:, :, :1]), ValueError, "w2_blocks"),  # w2 K groups do not match (scales neither)
     (_bad(4, lambda b: b.flatten(2)), ValueError, "w13_blocks"),  # 3-D blocks (transformers 5.24's [E, N, K/2])
     (_bad(8, lambda a: a[:, :, :, :32]), ValueError, "lora_a13"),  # LoRA of another H
-], ids=["int8-blocks", "float-scales", "scales-rows", "bytes-per-group", "w2-groups", "3d-blocks", "lora-H"])
+    # w13 of fewer experts than w2 (and its scales): the error names the blocks, not the dense shape behind them
+    (lambda a: _bad(5, lambda s: s[:-1])(_bad(4, lambda b: b[:-1])(a)), ValueError, "w2_blocks must have as many experts"),
+    # w2 of an I other than w13's 2I / 2
+    (lambda a: _bad(7, lambda s: s[:, :, :-1])(_bad(6, lambda b: b[:, :, :-1])(a)), ValueError, "2I = w13_blocks"),
+], ids=["int8-blocks", "float-scales", "scales-rows", "bytes-per-group", "w2-groups", "3d-blocks", "lora-H",
+        "experts-differ", "w2-I"])
 def test_bad_arguments_are_refused(change, error, match):
     args, kwargs = _op_args(_case(T=3))
     with pytest.raises(error, match=match):

