@@ -70,9 +70,24 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
         inner = model.model
         original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
         inner.__dict__[_ORIGINAL_FORWARD] = original
-        inner.forward = _announce_first_call(torch.compile(original, **kwargs))
+        inner.forward = _announce_first_call(without_duck_sizing(torch.compile(original, **kwargs)))
         return model
     return torch.compile(model, **kwargs)
+
+
+def without_duck_sizing(fn: Callable) -> Callable:
+    """``fn`` (a compiled function) called with Dynamo's duck sizing off. Duck sizing gives sizes equal at the first
+    trace one symbol, so a first call of batch 2 x length 2 guards ``batch == length`` and every other shape
+    recompiles once; with it off, each dynamic dimension gets its own symbol. Compiles inside ``fn`` read the
+    setting when they start; the caller's other compiles keep theirs."""
+    from torch.fx.experimental import _config as fx_config
+
+    @functools.wraps(fn)
+    def distinct_sizes(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return fn(*args, **kwargs)
+
+    return distinct_sizes
 
 
 def _announce_first_call(fn: Callable) -> Callable:

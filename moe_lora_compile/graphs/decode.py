@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..ops.contract import NO_ADAPTER
+from ..compile import without_duck_sizing
 from .common import compile_limits, compile_options, say
 from .kv_cache import SharedKVStorage, SlotCache
 
@@ -218,7 +219,8 @@ class DecodeGraphs:
         self.compiled = options is not None
         if self.compiled:
             self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
-            self._prefill_fn = (torch.compile(_prefill_forward, dynamic=True, **options) if compile_prefill
+            self._prefill_fn = (without_duck_sizing(torch.compile(_prefill_forward, dynamic=True, **options))
+                                if compile_prefill
                                 else _prefill_forward)
         else:
             self._decode_fn, self._prefill_fn = _decode_forward, _prefill_forward

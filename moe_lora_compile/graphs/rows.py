@@ -53,6 +53,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from ..ops.contract import NO_ADAPTER
+from ..compile import without_duck_sizing
 from .common import compile_limits, compile_options, say
 from .decode import ScalarsWithoutHostCopies
 from .kv_cache import SharedKVStorage, StorageLayer
@@ -256,7 +257,8 @@ class RowGraphs:
         self.compiled_prefill = self.compiled and bool(compile_prefill)
         if self.compiled:
             self._step_fn = torch.compile(_row_step_forward, dynamic=False, **options)
-            self._prefill_fn = (torch.compile(_row_prefill_forward, dynamic=True, **options) if compile_prefill
+            self._prefill_fn = (without_duck_sizing(torch.compile(_row_prefill_forward, dynamic=True, **options))
+                                if compile_prefill
                                 else _row_prefill_forward)
         else:
             self._step_fn, self._prefill_fn = _row_step_forward, _row_prefill_forward

@@ -124,6 +124,29 @@ def test_compile_refuses_a_foreign_post_grad_pass():
         inductor_options({"post_grad_custom_post_pass": lambda graph: None})
 
 
+def test_without_duck_sizing_keeps_one_graph_when_the_first_call_has_equal_sizes():
+    """Duck sizing gives sizes equal at the first trace one symbol: a first batch 2 x length 2 guarded
+    batch == length and the next shape recompiled. compile() (and the graphs' compiled prefill) call through
+    without_duck_sizing; the caller's own compiles keep duck sizing."""
+    from torch._dynamo.testing import CompileCounter
+
+    from moe_lora_compile.compile import without_duck_sizing
+
+    counts = []
+    for wrap in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        fn = torch.compile(lambda x: (x * x.shape[0]).sum(1), backend=counter, dynamic=True)
+        fn = without_duck_sizing(fn) if wrap else fn
+        for shape in [(2, 2), (3, 5), (4, 4), (6, 3)]:
+            torch.testing.assert_close(fn(torch.ones(shape)), torch.full((shape[0],), float(shape[0] * shape[1])))
+        counts.append(counter.frame_count)
+    assert counts == [2, 1]
+    from torch.fx.experimental import _config as fx_config
+
+    assert fx_config.use_duck_shape  # restored after each call
+
+
 def test_compile_refuses_other_backends():
     from moe_lora_compile.compile import compile as compile_model
 
