@@ -43,7 +43,7 @@ tests)
   step gpu_tests "${TESTS_LIMIT:-390}" env TORCHINDUCTOR_COMPILE_THREADS="${COMPILE_THREADS:-2}" python3 -m pytest -m gpu -v -p no:cacheprovider -rfE \
     "${XDIST[@]}" --durations=15 tests
   tail -25 "$W/gpu_tests.log"
-  # micro-benchmarks after the tests, chosen by MICRO (default: all of them, in this order)
+  # micro-benchmarks after the tests, chosen by MICRO (default: all of them but tune_mxfp4, in this order)
   for m in ${MICRO:-attn ablation mxfp4 ranks router tune}; do case $m in
     attn) step attn 60 python3 benchmarks/bench_attention.py --batches 1 8 64 --md "$W/attn.md" ;;
     ablation) step ablation 60 python3 benchmarks/bench_fused_moe_lora.py --decode-ablation --models gpt-oss-20b \
@@ -53,6 +53,13 @@ tests)
     ranks) step ranks 60 python3 benchmarks/bench_fused_moe_lora.py --mixed-ranks --models gpt-oss-20b \
       --json "$W/ranks.json" --md "$W/ranks.md" ;;
     router) step router 40 python3 benchmarks/bench_router.py ;;
+    # MXFP4 tuned (no shipped entry yet: the heuristic ran 29x its floor at T=1 on 2026-12-03), then the quick grid
+    # again on the tuned entries (the tuner merges into the package's table of this GPU; a copy comes back)
+    tune_mxfp4) step tune_mxfp4 150 python3 -m moe_lora_compile tune --model gpt-oss-20b --mxfp4 --tokens 1 8 32 \
+      --ranks 16 --budget-s 110
+      cp moe_lora_compile/configs/NVIDIA_*.json "$W/" 2>/dev/null
+      step mxfp4_tuned 60 python3 benchmarks/bench_fused_moe_lora.py --mxfp4 --quick --json "$W/mxfp4_tuned.json" \
+        --md "$W/mxfp4_tuned.md" ;;
     # the dense LoRA tuner (GPT-OSS-20B shapes; merges into the package's table, a copy comes back)
     tune) step tune_linear 130 python3 -m moe_lora_compile.ops.triton.tune_linear --models gpt-oss-20b \
       --budget-s 95 --out "$W/NVIDIA_H200_linear.json"

@@ -148,6 +148,23 @@ def test_strided_biases_are_read_as_such(per_pair):
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
+@pytest.mark.parametrize("k", [1, 2])  # k=1: reshape(-1) of a [T, 1] column slice is a view that keeps stride 2
+def test_strided_routing_ids_are_read_as_such(per_pair, k):
+    """topk_ids / topk_weights / token_lora_ids that are column slices of wider tensors (strides (2k, 1), (2,)):
+    the routing kernels index them as flat arrays, so the launchers copy such views (the sorted path once read a
+    k=1 slice as if contiguous: other tokens' experts, no error)."""
+    c = kernel_case(T=5, k=k, lora="alternate")
+    args, kwargs = c.make(DEVICE)
+    args = list(args)
+    args[1] = torch.cat([args[1], args[1].flip(0)], dim=1)[:, :k]
+    args[2] = torch.cat([args[2], -args[2]], dim=1)[:, :k]
+    args[3] = torch.stack([args[3], args[3].flip(0)], dim=1)[:, 0]
+    assert args[1].stride() == (2 * k, 1) and args[3].stride() == (2,)
+    y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair))
+    torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
 def test_out_of_range_slots_reaching_the_kernels_are_no_adapter(per_pair):
     """Slot ids outside [-1, L) that skip the op's checks (checks off inside CUDA graphs, MOE_LORA_CHECK_IDS=0) are
     read as -1 by every kernel: before, L indexed past the stacks (sorted mode: an out-of-bounds atomic in the

@@ -115,7 +115,7 @@ def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts
     row_pair = torch.empty(num_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(grid_m, dtype=torch.int32, device=device)
     pair_row = torch.empty(num_pairs, dtype=torch.int32, device=device)
-    topk_flat = topk_ids.reshape(-1)
+    topk_flat = topk_ids.reshape(-1).contiguous()  # reshape keeps a [T, 1] column slice strided
     lora_ids = token_lora_ids.contiguous()
     _count_kernel[(triton.cdiv(max(num_pairs, num_rows), CHUNK),)](
         topk_flat, lora_ids, counts, row_pair, num_pairs, num_rows, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
