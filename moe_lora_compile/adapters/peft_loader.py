@@ -12,7 +12,8 @@ Expert keys come in two layouts:
 - 3-D (PEFT ``target_parameters``): ``<experts>.base_layer.lora_{A,B}.weight`` / ``<experts>.lora_{A,B}.weight``
   with ``A [E*r, d_a]`` expert-major and ``B [d_b, r*E]`` expert-minor. Which parameter a pair belongs to and on which
   side A sits come from the shapes (gate_up pairs span ``{H, 2I}``, down pairs ``{H, I}``); only where both sides
-  have the same size does ``peft_version`` break the tie (PEFT < 0.19.1 put A on the weight's dim 1).
+  have the same size does ``peft_version`` break the tie (PEFT < 0.19.0 put A on the weight's dim 1, 0.19.0 on the
+  side opposite today's: see ``_PEFT_3D_SWAP``).
 - per expert: ``<experts>.<e>.<gate|up|down>.lora_{A,B}.weight`` (``gate_proj/up_proj/down_proj``, Mixtral
   ``w1/w3/w2``). Gate and up with identical A share it (rank r); otherwise their A's are stacked and B is
   block-diagonal (rank r_gate + r_up).
@@ -43,7 +44,11 @@ WEIGHTS_NAME = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT_RE = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<leaf>[A-Za-z0-9_]+)$")
-_FIRST_FIXED_PEFT = (0, 19, 1)  # PEFT versions before this read a 3-D weight [E, d1, d2] as in = d1
+# Where PEFT put A (its in_features side) on a 3-D expert weight [E, d1, d2]: before 0.19.0 always on d1; 0.19.0
+# swapped in/out where the experts module says ``is_transposed`` (GPT-OSS); 0.19.1 on swaps exactly where 0.19.0 did
+# not (``ndim == 3 and not is_transposed``). So 0.19.0's side is the opposite of today's for every family.
+_PEFT_3D_SWAP = (0, 19, 0)
+_PEFT_3D_CURRENT = (0, 19, 1)
 _PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default lora_alpha, used when a config omits it (as PEFT does)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _PARENT_LIBRARY_RE = re.compile(r"^transformers\.models\.(?P<model_type>[A-Za-z0-9_]+)\.")
@@ -128,12 +133,16 @@ class AdapterConfig:
         alpha = float(self._pattern_value(self.alpha_pattern, name, self.lora_alpha))
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
-    def a_on_weight_dim1(self) -> Optional[bool]:
-        """True if this adapter's PEFT put A on dim 1 of every 3-D weight (old PEFT), None if unknown."""
+    def peft_3d_rule(self) -> Optional[str]:
+        """Which PEFT rule placed A on this adapter's 3-D expert weights: ``"dim1"`` (PEFT < 0.19.0: A on the
+        weight's dim 1), ``"0.19.0"`` (the opposite side of today's), ``"current"`` (>= 0.19.1); None if the
+        config does not say (read as current)."""
         if not self.peft_version:
             return None
         numbers = tuple(int(n) for n in re.findall(r"\d+", self.peft_version)[:3])
-        return numbers < _FIRST_FIXED_PEFT
+        if numbers < _PEFT_3D_SWAP:
+            return "dim1"
+        return "0.19.0" if numbers < _PEFT_3D_CURRENT else "current"
 
 
 def _is_number(value) -> bool:
@@ -480,9 +489,11 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
         if n_in != n_out:
             a_on_output = d_a == n_out
         else:
-            old_peft = config.a_on_weight_dim1()
-            # Weight dim 1 is the output for [E, out, in] (concat) and the input for transposed layouts.
-            a_on_output = (not is_transposed(target.layout)) if old_peft else target.peft_a_on_output
+            rule = config.peft_3d_rule()
+            if rule == "dim1":  # weight dim 1 is the output for [E, out, in] (concat), the input if transposed
+                a_on_output = not is_transposed(target.layout)
+            else:
+                a_on_output = target.peft_a_on_output != (rule == "0.19.0")
         if a_on_output:  # delta = A^T B^T per expert: our A is PEFT's B^T, our B is PEFT's A^T
             a_r, b_r = b_r.transpose(1, 2), a_r.transpose(1, 2)
         b_r = b_r * config.scaling_of(f"{name}.{param}")

@@ -176,6 +176,30 @@ def test_old_peft_orientation(tmp_path, hidden, version_decides):
         torch.testing.assert_close(mm(ids, adapters=["old"]).logits, peft_model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("version, swapped", [
+    ("0.17.1", False),  # before 0.19.0: A on the weight's dim 1, the input of GPT-OSS's [E, in, out]: today's side
+    ("0.19.0", True),   # 0.19.0 swapped in/out for `is_transposed` experts (GPT-OSS): A on the output side
+    ("0.19.1", False),  # today's rule
+])
+def test_gpt_oss_square_experts_by_peft_version(tmp_path, version, swapped):
+    """GPT-OSS-20B's down_proj is square (I == H == 2880): only peft_version tells which side A is on, and PEFT
+    0.19.0 put it on the side opposite both its predecessors and its successors for GPT-OSS (read as today's, its
+    adapters were served with the wrong delta, no error)."""
+    base, peft_model = _make_adapter("gpt_oss", tmp_path / "new", config_overrides=dict(intermediate_size=32))
+    assert base.config.hidden_size == base.config.intermediate_size
+    num_experts = base.config.num_local_experts
+    _rewrite(tmp_path / "new", tmp_path / "saved", _to_old_peft_orientation(num_experts) if swapped else (lambda t: t),
+             {"peft_version": version})
+    mm = attach(copy.deepcopy(base), max_loras=2, max_rank=8)
+    mm.load_adapter("new", tmp_path / "new")
+    mm.load_adapter("saved", tmp_path / "saved")
+    new, saved = _slot_buffers(mm, 0), _slot_buffers(mm, 1)
+    assert all(torch.equal(new[k], saved[k]) for k in new)
+    ids = torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(mm(ids, adapters=["saved"]).logits, peft_model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
 def test_dense_stacks_and_scaling_from_patterns(tmp_path):
     """lora_linear stacks A [L,R,in], B [L,out,R]: rank padded with zeros, alpha_pattern scaling folded into B."""
     _, peft_model = _make_adapter("qwen3", tmp_path / "ad", lora_overrides=dict(
