@@ -382,8 +382,8 @@ def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: boo
 
     family_of = {t: f for f in FAMILIES for t in f.model_types}
     ours, theirs = family_of.get(model_type), family_of.get(recorded)
-    if ours is not None and ours is theirs:
-        return
+    if ours is not None and ours is theirs and ours.layout is not None:  # one MoE family's names (llama4 / _text);
+        return                                                           # the dense row spans distinct models
     what = f"adapter made for a {recorded!r} base ({config.base_model_source}), loaded into a {model_type!r} model"
     if has_experts and theirs is not None and theirs.layout is not None and experts_layout is not None \
             and is_interleaved(theirs.layout) != is_interleaved(experts_layout):

@@ -49,6 +49,8 @@ def check_decode_attention_args(query, key, value, mask, scaling, sinks) -> None
     Hkv = key.shape[1]
     torch._check_value(tuple(key.shape[:2]) == (B, Hkv) and key.shape[3] == D and Hkv >= 1,
                        lambda: f"key must be [B={B}, Hkv, L, D={D}], got {_shape(key)}")
+    torch._check_value(key.shape[2] >= 1, lambda: f"key must hold at least one cache position (L >= 1), got "
+                                                   f"{_shape(key)}")
     torch._check_value(tuple(value.shape) == tuple(key.shape),
                        lambda: f"value must have key's shape {_shape(key)}, got {_shape(value)}")
     torch._check_value(H % Hkv == 0, lambda: f"query heads ({H}) must be a multiple of key/value heads ({Hkv})")

@@ -3,6 +3,7 @@ merging, and the dense stacks; checked against files rewritten from real PEFT sa
 
 import copy
 import json
+import warnings
 import os
 
 import pytest
@@ -228,6 +229,21 @@ def test_concat_family_adapter_refused_by_gpt_oss(tmp_path):
                                          r"'transposed_interleaved'"):
         mm.load_adapter("foreign", tmp_path / "foreign")
     assert mm.adapters == {"own": 0}
+
+
+def test_dense_adapter_of_another_model_type_warns(tmp_path):
+    """The dense row of the family table spans distinct models (llama, mistral, qwen2, qwen3): a folder recorded
+    for llama loaded into qwen2 warns like any other family mismatch (it used to load silently)."""
+    base, _ = _make_adapter("qwen2", tmp_path / "own")
+    _rewrite(tmp_path / "own", tmp_path / "llama", lambda t: t, {"auto_mapping": {
+        "base_model_class": "LlamaForCausalLM", "parent_library": "transformers.models.llama.modeling_llama"}})
+    mm = attach(base, max_loras=2, max_rank=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.load_adapter("own", tmp_path / "own")
+    with pytest.warns(UserWarning, match=r"adapter made for a 'llama' base .* into a 'qwen2' model"):
+        mm.load_adapter("llama", tmp_path / "llama")
+    assert mm.adapters == {"own": 0, "llama": 1}
 
 
 def test_loader_returns_the_slot_dtype(tmp_path):

@@ -160,6 +160,7 @@ def test_op_runs_kernel_and_refuses_backward():
     (dict(mask=torch.zeros(2, 1, 1, 19)), "mask must be"),  # mask shorter than the cache
     (dict(mask=torch.zeros(2, 1, 1, 20, dtype=torch.bool)), "additive floating mask"),  # boolean mask
     (dict(s=torch.zeros(3)), "sinks must be"),  # one sink short
+    (dict(k=torch.zeros(2, 2, 0, 8), v=torch.zeros(2, 2, 0, 8), mask=None), "at least one cache position"),  # L=0
 ])
 def test_bad_arguments(change, match):
     q, k, v, mask, s = make_case(2, 4, 2, 1, 8, 20, positions=[5, 12], sinks=True)
