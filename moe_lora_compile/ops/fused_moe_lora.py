@@ -27,7 +27,7 @@ from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_l
                        check_lora_ranks, check_out_arg, check_rank_values)
 from .layout import CONCAT
 from .reference import fused_moe_lora_reference
-from .autograd import frozen_input_error, recompute_grads
+from .autograd import frozen_input_error, recompute_grads_by_slot
 
 CORE_ARGS = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2",
              "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias", "lora_ranks")
@@ -136,7 +136,8 @@ def _fused_moe_lora_backward_op(
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
                   limit=limit, routing_weight_on_input=routing_weight_on_input, lora_b13_split=lora_b13_split,
                   lora_ranks=lora_ranks)
-    return recompute_grads(fused_moe_lora_reference, grad_y, args, kwargs, _GRAD_POSITIONS)
+    return recompute_grads_by_slot(fused_moe_lora_reference, grad_y, args, kwargs, _GRAD_POSITIONS,
+                                   row_positions=(0, 1, 2, 3), stack_positions=(6, 7, 8, 9), ids_position=3)
 
 
 @_fused_moe_lora_backward_op.register_fake

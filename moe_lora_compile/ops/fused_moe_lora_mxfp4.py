@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_impl
-from .autograd import frozen_input_error, recompute_grads
+from .autograd import frozen_input_error, recompute_grads_by_slot
 from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_mxfp4_args,
                        check_index_values, check_lora_ranks, check_rank_values)
 from .layout import TRANSPOSED_INTERLEAVED
@@ -142,7 +142,8 @@ def _fused_moe_lora_mxfp4_backward_op(
             lora_b13, lora_a2, lora_b2)
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
                   limit=limit, routing_weight_on_input=routing_weight_on_input, lora_ranks=lora_ranks)
-    return recompute_grads(_reference, grad_y, args, kwargs, _GRAD_POSITIONS)
+    return recompute_grads_by_slot(_reference, grad_y, args, kwargs, _GRAD_POSITIONS, row_positions=(0, 1, 2, 3),
+                                   stack_positions=(8, 9, 10, 11), ids_position=3)
 
 
 @_fused_moe_lora_mxfp4_backward_op.register_fake

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import cuda_impl
 from .contract import NO_ADAPTER, check_index_values, check_lora_linear_args, check_lora_ranks, check_rank_values
 from .reference import lora_linear_reference
-from .autograd import frozen_input_error, recompute_grads
+from .autograd import frozen_input_error, recompute_grads_by_slot
 
 CORE_ARGS = ("x", "weight", "lora_a", "lora_b", "token_lora_ids", "bias", "lora_ranks")
 _GRAD_POSITIONS = (0, 2, 3)
@@ -60,8 +60,8 @@ def _lora_linear_backward_op(
 ) -> list[Tensor]:
     """Grads of ``lora_linear`` w.r.t. (x, lora_a, lora_b)."""
     args = (x, weight, lora_a, lora_b, token_lora_ids)
-    return recompute_grads(lora_linear_reference, grad_y, args, dict(bias=bias, lora_ranks=lora_ranks),
-                           _GRAD_POSITIONS)
+    return recompute_grads_by_slot(lora_linear_reference, grad_y, args, dict(bias=bias, lora_ranks=lora_ranks),
+                                   _GRAD_POSITIONS, row_positions=(0, 4), stack_positions=(2, 3), ids_position=4)
 
 
 @_lora_linear_backward_op.register_fake

@@ -92,6 +92,32 @@ def test_grads_flow_to_lora_and_match_autograd_of_oracle():
         torch.testing.assert_close(x, y)
 
 
+@pytest.mark.parametrize("stack", [6, 7, 8, 9])  # a NaN in a13 / b13 / a2 / b2
+def test_grads_keep_a_nonfinite_slot_in_its_rows(stack):
+    """Backward isolates tenants as the forward does: a NaN in slot 0's factors leaves the gradients of the rows
+    of the other slot and of the no-adapter rows (x, topk_weights, slot 1's stacks) as they are with a clean
+    slot 0 (``-1`` rows once read slot 0's factors, multiplied by zero on the way back)."""
+    args, kwargs = MoECase(T=6, dtype=torch.float64).make()
+    args = list(args)
+    args[3] = torch.tensor([0, -1, 1, -1, 0, 1], dtype=args[3].dtype)
+    poisoned = list(args)
+    poisoned[stack] = args[stack].clone()
+    poisoned[stack][0].view(-1)[3] = float("nan")
+    leaves = [0, 2, 6, 7, 8, 9]
+    g = torch.randn(6, args[0].shape[1], dtype=torch.float64)
+
+    def grads(tensors):
+        inputs = [t.clone().requires_grad_(i in leaves) if t.is_floating_point() else t for i, t in enumerate(tensors)]
+        return torch.autograd.grad(mlc.fused_moe_lora(*inputs, **kwargs), [inputs[i] for i in leaves], g)
+
+    clean, dirty = grads(args), grads(poisoned)
+    others = args[3] != 0
+    for got, want in zip(dirty[:2], clean[:2]):  # x, topk_weights
+        torch.testing.assert_close(got[others], want[others], rtol=0, atol=0)
+    for got, want in zip(dirty[2:], clean[2:]):  # slot 1 of each stack
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
 def test_frozen_base_weights_refuse_grad():
     args, kwargs = MoECase(T=3).make()
     args = list(args)

@@ -44,6 +44,28 @@ def test_grads_match_autograd_of_oracle():
         torch.testing.assert_close(x, y)
 
 
+@pytest.mark.parametrize("factor", [2, 3])  # a NaN in A / in B
+def test_grads_keep_a_nonfinite_slot_in_its_rows(factor):
+    """Backward isolates tenants as the forward does: a NaN in slot 0's factors leaves the gradients of the other
+    slots' and the no-adapter rows (x, their slots' A and B) as they are with a clean slot 0."""
+    args, bias = make_linear(8, 10, 12, 3, 4, bias=True, dtype=torch.float64)
+    ids = torch.tensor([0, 1, -1, 2, 1, -1, 0, 2], dtype=torch.int32)
+    poisoned = [t.clone() for t in args[:4]]
+    poisoned[factor][0, 1, 2] = float("nan")
+    g = torch.randn(8, 12, dtype=torch.float64)
+
+    def grads(tensors):
+        leaves = [t.clone().requires_grad_() for t in (tensors[0], tensors[2], tensors[3])]
+        y = mlc.lora_linear(leaves[0], tensors[1], leaves[1], leaves[2], ids, bias=bias)
+        return torch.autograd.grad(y, leaves, g)
+
+    clean, dirty = grads(args[:4]), grads(poisoned)
+    others = ids != 0
+    torch.testing.assert_close(dirty[0][others], clean[0][others], rtol=0, atol=0)
+    for got, want in zip(dirty[1:], clean[1:]):  # the A and B gradients of slots 1 and 2
+        torch.testing.assert_close(got[1:], want[1:], rtol=0, atol=0)
+
+
 @settings(max_examples=25, deadline=None)
 @given(T=st.integers(0, 10), n_in=st.integers(1, 12), n_out=st.integers(1, 12), L=st.integers(1, 4),
        R=st.integers(1, 5), bias=st.booleans(), seed=st.integers(0, 1000))
