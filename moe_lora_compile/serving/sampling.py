@@ -28,6 +28,13 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def unit_interval(bits: Tensor) -> Tensor:
+    """32-bit hashes (int64 in ``[0, 2**32)``) -> float32 uniforms in ``[2**-24, 1 - 2**-24]``: the top 23 bits plus
+    a half, exact in float32 (with 24 bits the largest, ``2**24 - 0.5``, rounds to ``2**24``: U = 1, E = 0, and
+    that token won every draw it came up in, whatever its probability)."""
+    return ((bits >> 9).float() + 0.5) / float(1 << 23)
+
+
 def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
     """``[n, vocab]`` float32 uniforms in ``(0, 1)`` from ``seeds [n]`` and ``counters [n]`` (int64): a pure
     function of ``(seed, counter, token id)``."""
@@ -36,7 +43,7 @@ def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
     key = _mix32(key ^ (counters & _MASK32))
     ids = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     bits = _mix32(_mix32(key[:, None] ^ ids[None, :]) ^ (key[:, None] >> 7))
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in float32, never 0 or 1
+    return unit_interval(bits)
 
 
 def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
@@ -54,7 +61,9 @@ def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens
         ranks = torch.arange(scores.shape[-1], device=scores.device)
-        drop = before >= top_p.float()[:, None]
+        # top_p = 1 is off: its rows drop nothing (the float32 cumsum reaches 1.0 before the tail, which a row
+        # batched with a filtering row then lost)
+        drop = (top_p < 1)[:, None] & (before >= top_p.float()[:, None])
         drop |= (top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None])
         drop[:, 0] = False
         scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lora_compile.serving.sampling import sample, uniform_noise
+from moe_lora_compile.serving.sampling import filtered_scores, sample, uniform_noise, unit_interval
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.9, 1.4])
 
@@ -77,3 +77,24 @@ def test_tiny_temperature_is_greedy(temperature):
     tokens = sample(logits, torch.full((n,), temperature, dtype=torch.float64), torch.full((n,), 0.9),
                     torch.zeros(n, dtype=torch.long), torch.arange(n), torch.zeros(n, dtype=torch.long))
     assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_noise_stays_inside_the_open_interval():
+    """The extreme hashes map strictly inside (0, 1): with 24 bits the largest rounded to 1.0 in float32, E = -log U
+    was 0 and that token won the draw (an argmax at +inf) whatever its probability and filters."""
+    u = unit_interval(torch.tensor([0, 1, 2**31, 2**32 - 2, 2**32 - 1]))
+    assert u.dtype == torch.float32 and bool(((u > 0) & (u < 1)).all())
+    assert bool(torch.isfinite(torch.log(-torch.log(u))).all())
+
+
+def test_top_p_one_drops_nothing_beside_a_filtering_row():
+    """top_p = 1 is off: a row keeps every token whether or not a batch mate filters (the float32 cumsum of a
+    201088-token softmax reaches 1.0 before its tail, which the unfiltered row then lost: its draw depended on
+    its batch mates)."""
+    g = torch.Generator().manual_seed(0)
+    row = -torch.log(-torch.log(torch.rand(1, 201088, generator=g))) * 1.5  # a flat-ish logit row, GPT-OSS vocab
+    logits = torch.cat([row, row])
+    scores = filtered_scores(logits, torch.ones(2), torch.tensor([1.0, 0.5], dtype=torch.float64),
+                             torch.zeros(2, dtype=torch.long), filtered=True)
+    assert bool(torch.isfinite(scores[0]).all())
+    assert bool(torch.isinf(scores[1]).any())  # the filtering row still filters
