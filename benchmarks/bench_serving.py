@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -134,7 +135,9 @@ def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, ad
     handles = [engine.submit(ids(8), adapter=adapters[i % len(adapters)], max_new_tokens=steps + 4, eos_token_ids=())
                for i in range(rows)]
     while engine.num_running < rows:  # every row admitted, prefilled and decoding
-        engine.step()
+        if not engine.step():
+            raise RuntimeError(f"rate calibration: {engine.num_running} of {rows} rows ever decoded at once "
+                               f"(fewer adapter slots than distinct adapters among the rows?)")
     sync(engine.device)
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -247,9 +250,12 @@ def merge(files: list[str]) -> list[dict]:
     file's row replaces an earlier one of the same config and load)."""
     setup, runs = None, {}
     for path in files:
-        with open(path) as f:
-            rows = json.load(f)
-        if not rows or rows[0].get("kind") != "setup":
+        try:
+            with open(path) as f:
+                rows = json.load(f)
+        except (ValueError, UnicodeDecodeError) as error:
+            raise SystemExit(f"--render: {path} is not a bench_serving --json file ({error})") from None
+        if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict) or rows[0].get("kind") != "setup":
             raise SystemExit(f"--render: {path} is not a bench_serving --json file")
         setup = setup or rows[0]
         runs.update({(r["config"], r["load"]): r for r in rows if r.get("kind") == "run"})
@@ -330,8 +336,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -372,7 +378,7 @@ def parser(prog=None) -> argparse.ArgumentParser:
                    help="no run: merge these --json files' runs into --md / --png (a run split over device calls)")
     p.add_argument("--grouped-near-only", action="store_true",
                    help="run grouped8 only at the near-saturation rate (its runs are the longest)")
-    p.add_argument("--budget-s", type=float, default=None,
+    p.add_argument("--budget-s", type=_positive_float, default=None,
                    help="skip the runs that would start after this many seconds of runs (results so far kept)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json")
@@ -417,6 +423,14 @@ def main(argv=None, prog=None) -> int:
     problem = _outputs_error(args)  # before minutes of model building and runs
     if problem:
         p.error(problem)
+    resident_configs = [c for c in args.configs if c in ("lora8", "grouped8")]
+    if args.slots < args.resident and (resident_configs or not args.rates):  # the calibration uses them too
+        p.error(f"--slots {args.slots} < --resident {args.resident}: the resident adapters"
+                f"{' of ' + '/'.join(resident_configs) if resident_configs else ' (rate calibration)'} must all fit "
+                f"the slots")
+    if args.buckets and (max(args.buckets) != args.max_rows or min(args.buckets) < 1):
+        p.error(f"--buckets {' '.join(map(str, args.buckets))}: the largest bucket must be --max-rows "
+                f"{args.max_rows}, none larger")
     if args.loads != list(LOADS) and args.rates and len(args.rates) != 3:
         p.error(f"--loads picks among three rates; --rates gave {len(args.rates)}")
     if args.loads != list(LOADS) and not args.rates and len(args.load_factors) != 3:
@@ -434,7 +448,10 @@ def main(argv=None, prog=None) -> int:
         missing = [f for f in args.render if not os.path.isfile(f)]
         if missing:
             p.error(f"--render: no such file: {missing[0]}")
-        rows = merge(args.render)
+        try:
+            rows = merge(args.render)
+        except SystemExit as error:  # a file that is not one of ours: a usage error, one line
+            p.error(str(error))
         args.json = None  # nothing ran: the inputs stay as they are
     else:
         rows = run(args, on_row=write)

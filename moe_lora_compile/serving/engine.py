@@ -189,6 +189,7 @@ class ServingEngine:
         self.default_eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
         self._cond = threading.Condition()  # guards the queue, the handles' progress and the thread's state
         self._step_lock = threading.Lock()  # one step at a time
+        self._step_thread: Optional[int] = None  # the thread running a step (on_token callbacks run in it)
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._prefilling: list[_Live] = []
         self._running: dict[int, _Live] = {}
@@ -249,17 +250,21 @@ class ServingEngine:
         if bad:
             raise ValueError(f"prompt_ids: ids {bad[:8]} are outside the vocabulary [0, {self.vocab_size})")
         n = r.max_new_tokens
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not _is_int(n) or n < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {n!r}")
+        n = int(n)
         if len(prompt) + n - 1 > self.graphs.max_cache_len:
             raise ValueError(f"max_new_tokens: {len(prompt)} prompt tokens + {n} new ones need "
                              f"{len(prompt) + n - 1} cache slots, more than max_cache_len={self.graphs.max_cache_len}")
-        if not _is_number(r.temperature) or not math.isfinite(r.temperature) or r.temperature < 0:
+        temperature = _finite_float(r.temperature)
+        if temperature is None or temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {r.temperature!r}")
-        if not _is_number(r.top_p) or not 0 < r.top_p <= 1:
+        top_p = _finite_float(r.top_p)
+        if top_p is None or not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {r.top_p!r}")
         if not _is_int(r.top_k) or r.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = off), got {r.top_k!r}")
+        top_k = min(int(r.top_k), self.vocab_size)  # past the vocabulary it keeps every token
         if r.seed is not None and (not _is_int(r.seed) or not -2**63 <= r.seed < 2**63):
             raise ValueError(f"seed must be an int in [-2**63, 2**63) or None, got {r.seed!r}")
         eos = self.default_eos if r.eos_token_ids is None else r.eos_token_ids
@@ -277,7 +282,12 @@ class ServingEngine:
             raise ValueError(f"on_token must be callable, got {r.on_token!r}")
         self._check_adapter(r.adapter)
         seed = int(torch.randint(0, 2**62, ())) if r.seed is None else int(r.seed)
-        return RequestHandle(self, r, prompt, frozenset(int(t) for t in eos), stop, seed)
+        eos = frozenset(int(t) for t in eos)
+        # the handle keeps a copy of what was checked: a Request object changed or submitted again later cannot
+        # change this request (its adapter pin, its length against the cache, its sampling)
+        checked = dataclasses.replace(r, prompt_ids=tuple(prompt), max_new_tokens=n, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, seed=seed, eos_token_ids=tuple(sorted(eos)), stop=stop)
+        return RequestHandle(self, checked, prompt, eos, stop, seed)
 
     def _queue(self, handles: list[RequestHandle]) -> None:
         with self._cond:
@@ -315,6 +325,7 @@ class ServingEngine:
         ``prefill_chunk`` prompt tokens, then read the step's tokens, and last the first tokens of the prompts
         prefilled to their end (those requests decode from the next step on)."""
         with self._step_lock:
+            self._step_thread = threading.get_ident()
             try:
                 with self._cond:
                     self._retire_cancelled()
@@ -327,6 +338,8 @@ class ServingEngine:
             except BaseException as error:  # every live and waiting request ends with this error
                 self._fail_all(error)
                 raise
+            finally:
+                self._step_thread = None
             with self._cond:
                 self._cond.notify_all()
                 return not self.idle
@@ -373,6 +386,10 @@ class ServingEngine:
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Until ``ready()``: wait for the engine's thread, or run steps here."""
+        if self._step_thread == threading.get_ident():
+            raise RuntimeError("a handle's result(), iteration or generate_many was called from inside an engine "
+                               "step (an on_token callback): it would wait for the step that calls it; read "
+                               "handle.tokens / handle.done there instead")
         while True:
             with self._cond:
                 if ready():
@@ -619,7 +636,10 @@ class ServingEngine:
         with self._cond:
             for live in [*self._prefilling, *self._running.values()]:
                 live.handle.error = error
-                self._retire(live, "error")
+                try:
+                    self._retire(live, "error")
+                except Exception:  # its row or adapter could not be released: the handle still ends
+                    self._finish_handle(live.handle, "error")
             while self._waiting:
                 handle = self._waiting.popleft()
                 handle.error = error
@@ -636,3 +656,14 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _finite_float(x) -> Optional[float]:
+    """``float(x)`` for a finite real number (not a bool), else None (an int past float's range included)."""
+    if not _is_number(x):
+        return None
+    try:
+        value = float(x)
+    except OverflowError:
+        return None
+    return value if math.isfinite(value) else None

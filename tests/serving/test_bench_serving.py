@@ -43,10 +43,19 @@ def test_serve_bench_tiny_writes_json_markdown_and_png(tmp_path, capsys):
 def test_serve_bench_bad_options_are_one_line(tmp_path, capsys):
     """Values the benchmark cannot use are refused at once, with one line: before, a negative count ended in a
     traceback, --requests=1 (with '=') was silently replaced by the tiny default, --model was ignored by --tiny."""
+    not_json = tmp_path / "not.json"
+    not_json.write_text("not json")
     for argv, needle in ((["--tiny", "--requests", "-2"], "must be >= 1"),
                          (["--tiny", "--jitter", "1.5"], "--jitter"),
                          (["--tiny", "--model", "qwen3-30b-a3b"], "--model qwen3-30b-a3b"),
-                         (["--tiny", "--json", str(tmp_path / "no" / "x.json")], "not a writable folder")):
+                         (["--tiny", "--json", str(tmp_path / "no" / "x.json")], "not a writable folder"),
+                         # fewer slots than resident adapters: the rate calibration spun forever (--slots 1), or
+                         # lora8 ended in a NoFreeSlot traceback
+                         (["--tiny", "--slots", "2"], "--slots 2 < --resident 4"),
+                         (["--tiny", "--buckets", "3"], "largest bucket must be --max-rows 4"),  # a RowGraphs traceback
+                         (["--tiny", "--rates", "inf", "1", "2"], "finite number > 0"),
+                         (["--tiny", "--budget-s", "nan"], "finite number > 0"),
+                         (["--render", str(not_json)], "is not a bench_serving --json file")):  # JSONDecodeError
         with pytest.raises(SystemExit) as exited:
             main(["serve-bench", *argv])
         err = capsys.readouterr().err.strip().splitlines()

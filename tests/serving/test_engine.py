@@ -200,7 +200,8 @@ def test_submit_errors_change_nothing(setup):
                             (dict(seed=2**63), r"seed must be an int in \[-2\*\*63"),
                             (dict(stop=[5, 6]), r"e\.g\. \[\[13, 13\]\]"),  # a flat list: a bare TypeError before
                             (dict(temperature=True), "temperature"), (dict(top_p=True), "top_p"),  # bools
-                            (dict(eos_token_ids=[10**9]), "outside the vocabulary")]:
+                            (dict(eos_token_ids=[10**9]), "outside the vocabulary"),
+                            (dict(temperature=10**400), "temperature")]:  # past float's range: OverflowError
         with pytest.raises(ValueError, match=message):
             engine.submit(**{"prompt_ids": p, "max_new_tokens": 4, **kwargs})
     with pytest.raises(KeyError, match="nope"):  # one bad request: none of the list is queued
@@ -266,6 +267,41 @@ def test_a_raising_callback_fails_only_its_request(setup):
     with pytest.raises(RuntimeError, match="callback boom"):
         bad.result()
     assert engine.idle and sorted(engine._free_rows) == list(range(4)) and setup.model._pins == {}
+
+
+def test_a_request_is_what_submit_checked(setup):
+    """The handle keeps a copy of the checked request: a Request object changed and submitted again does not
+    change the first request (it read adapter / max_new_tokens from the caller's object after submit: the wrong
+    tokens, a cache overrun inside step(), an adapter pin released under another name and a handle that never
+    ended). A top_k past the vocabulary (2**63 failed every live request inside step()) keeps every token."""
+    engine = _engine(setup.model)
+    req = Request(setup.prompts[0], adapter=WORK[0][1], max_new_tokens=WORK[0][2])
+    first = engine.submit(req)
+    req.adapter, req.max_new_tokens = WORK[1][1], 10**6
+    engine.step()
+    req.adapter = "gamma"
+    huge_k = engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=WORK[1][2], top_k=2**63)
+    engine.run()
+    assert first.tokens == setup.want[0] and first.finish_reason == "length"
+    assert huge_k.tokens == setup.want[1] and huge_k.request.top_k == engine.vocab_size
+    assert engine.idle and setup.model._pins == {}
+
+
+def test_waiting_inside_a_callback_is_an_error_not_a_deadlock(setup):
+    """on_token calling result() of a handle would wait for the step that runs the callback (a silent hang): it
+    raises instead, which fails that request only; the other request finishes with its usual tokens."""
+    engine = _engine(setup.model)
+    other = engine.submit(setup.prompts[0], adapter=WORK[0][1], max_new_tokens=WORK[0][2])
+    waiting = engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=4,
+                            on_token=lambda handle, token: other.result())
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("tokens", other.result()), daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive() and result["tokens"] == setup.want[0]
+    assert waiting.finish_reason == "error"
+    with pytest.raises(RuntimeError, match="inside an engine step"):
+        waiting.result()
 
 
 def test_adapters_in_use_cannot_be_unloaded_or_replaced(setup):
