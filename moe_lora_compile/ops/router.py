@@ -146,4 +146,6 @@ def route(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, top_
     """``torch.ops.moe_lora.route``: hidden [T, H], weight [E, H], bias [E] or None (hidden's dtype) ->
     (logits [T, E] in hidden's dtype, scores [T, top_k] in ``scores_dtype`` (default: logits dtype), ids [T, top_k]
     int64). ``scoring``: ``"topk_softmax"``, ``"softmax_topk"`` (with ``renormalize``) or ``"topk_sigmoid"``."""
+    if isinstance(top_k, bool):  # the op's int schema would read True as 1
+        raise TypeError(f"top_k must be an int, got {top_k!r}")
     return torch.ops.moe_lora.route(hidden, weight, bias, top_k, scoring, renormalize, scores_dtype)

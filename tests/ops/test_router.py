@@ -165,6 +165,14 @@ def test_op_bad_inputs(change, error, match):
         torch.ops.moe_lora.route(*args.values())
 
 
+def test_route_refuses_a_bool_top_k():
+    """The op's int schema reads True as 1, so the Python entry point refuses bools before it (top_k=True routed
+    every token to one expert, no error)."""
+    from moe_lora_compile.ops import route
+    with pytest.raises(TypeError, match="top_k must be an int, got True"):
+        route(torch.zeros(2, 16), torch.zeros(6, 16), top_k=True, scoring="topk_softmax")
+
+
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "olmoe", "llama4"]
 
 
