@@ -75,7 +75,13 @@ PAIR_SHRINK = Switch("MOE_LORA_PAIR_SHRINK", "0",
                      "to 512 pairs (decode batches) where a config does not say otherwise; 0 (default until it is "
                      "measured on a GPU): the block shrink (moe_lora_compile.ops.triton.configs.default_per_pair_shrink)",
                      read_once=True)
-SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK)
+CONFIGS = Switch("MOE_LORA_CONFIGS", "auto",
+                 "which tuned kernel-config tables the Triton ops read: auto (default: this GPU's, "
+                 "moe_lora_compile/configs/<gpu>.json and <gpu>_linear.json, the heuristics where none), 0 (the "
+                 "heuristics only: the baseline of a tuning A/B), or a GPU name whose tables to use (e.g. 'NVIDIA "
+                 "H200' on a card that has none of its own; moe_lora_compile.ops.triton.configs.table_gpu)",
+                 read_once=True)
+SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK, CONFIGS)
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",

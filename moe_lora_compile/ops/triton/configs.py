@@ -292,8 +292,25 @@ def write_table(path: pathlib.Path, table: dict[str, dict[str, MoEKernelConfig]]
 
 
 @functools.lru_cache(maxsize=None)
-def _load(device_name: str) -> dict[str, dict[str, MoEKernelConfig]]:
-    return read_table(CONFIG_DIR / gpu_file_name(device_name))
+def _load(device_name: Optional[str]) -> dict[str, dict[str, MoEKernelConfig]]:
+    return {} if device_name is None else read_table(CONFIG_DIR / gpu_file_name(device_name))
+
+
+def table_gpu(device: torch.device) -> Optional[str]:
+    """The GPU whose tuned tables the ops read on ``device`` (``MOE_LORA_CONFIGS``): this device's own name
+    (``auto``), None (``0``: the heuristics only), or the name it gives, which must have a table in
+    :data:`CONFIG_DIR`."""
+    value = settings.CONFIGS.value().strip()
+    if value.lower() in ("", "auto"):
+        return device_name(device)
+    if not settings.CONFIGS.enabled():
+        return None
+    if not any((CONFIG_DIR / f(value)).exists() for f in (gpu_file_name, linear_file_name)):
+        have = sorted(p.name for p in CONFIG_DIR.glob("*.json"))
+        raise ValueError(f"MOE_LORA_CONFIGS={value!r}: no table {gpu_file_name(value)} or "
+                         f"{linear_file_name(value)} in {CONFIG_DIR} (there: {', '.join(have) or 'none'}); "
+                         "use auto, 0 or one of those GPUs' names")
+    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -377,7 +394,7 @@ def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: 
     """The tuned config for this GPU and shape bucket (``per_pair_shrink`` filled in by
     :func:`default_per_pair_shrink` where the entry lacks it), else :func:`default_config`
     (:func:`default_mxfp4_config` for MXFP4 experts, whose entries are their own: ``mxfp4``)."""
-    buckets = _rank_buckets(_load(device_name(device)), E, H, I, R, mxfp4)
+    buckets = _rank_buckets(_load(table_gpu(device)), E, H, I, R, mxfp4)
     if not buckets:
         return (default_mxfp4_config if mxfp4 else default_config)(E, H, I, R, T, k)
     sizes = sorted(int(t) for t in buckets)
@@ -465,8 +482,8 @@ def write_linear_table(path: pathlib.Path, table: dict[str, dict[str, LinearKern
 
 
 @functools.lru_cache(maxsize=None)
-def _load_linear(device_name: str) -> dict[str, dict[str, LinearKernelConfig]]:
-    return read_linear_table(CONFIG_DIR / linear_file_name(device_name))
+def _load_linear(device_name: Optional[str]) -> dict[str, dict[str, LinearKernelConfig]]:
+    return {} if device_name is None else read_linear_table(CONFIG_DIR / linear_file_name(device_name))
 
 
 def lookup_linear(table: dict[str, dict[str, LinearKernelConfig]], T: int, n_in: int, n_out: int,
@@ -496,5 +513,5 @@ def get_linear_config(device: torch.device, T: int, n_in: int, n_out: int, R: in
                       num_sms: int = 132) -> LinearKernelConfig:
     """The tuned ``lora_linear`` config for this GPU, shape and T bucket (:func:`lookup_linear`), else
     :func:`default_linear_config`."""
-    found = lookup_linear(_load_linear(device_name(device)), T, n_in, n_out, R)
+    found = lookup_linear(_load_linear(table_gpu(device)), T, n_in, n_out, R)
     return found if found is not None else default_linear_config(T, n_in, n_out, num_sms)
