@@ -8,6 +8,8 @@
 #                                                       # 1/8/32/64, then the chat-shaped run
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode2   # bench_decode Qwen3-30B-A3B (batch 1/8), GPT-OSS's
 #                                                       # hf_compiled in a second process (--gpu-lock)
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode_ab # ours_none / ours_lora of GPT-OSS-20B once per variant of
+#                                                       # the environment (AB_VARIANTS, ';'-separated), one process each
 set -uo pipefail
 CALL=${1:?tests|serving|decode|decode2}
 OUT=${OUT:-/tmp/moe_lora_out}
@@ -99,6 +101,21 @@ decode2)
     --gpu-lock "$LOCK" ${DECODE_ARGS:-} --json "$W/decode_qwen.json"
   wait $HFC; echo "decode_hfc rc=$?" | tee -a "$W/steps.txt"
   render_decode
+  ;;
+decode_ab)
+  # an A/B of environment switches on the whole step, each variant in its own process (the hot-path switches are
+  # read once); default: the heuristic configs against the tables this GPU reads (MOE_LORA_CONFIGS)
+  IFS=';' read -ra VARIANTS <<< "${AB_VARIANTS:-MOE_LORA_CONFIGS=0;MOE_LORA_CONFIGS=auto}"
+  i=0
+  for v in "${VARIANTS[@]}"; do
+    echo "ab_$i: $v" | tee -a "$W/steps.txt"
+    # shellcheck disable=SC2086  # a variant is a list of NAME=VALUE words
+    step "ab_$i" "${AB_LIMIT:-170}" env $v python3 benchmarks/bench_decode.py --models "${AB_MODEL:-gpt-oss-20b}" \
+      --batches ${AB_BATCHES:-1 8} --prompt 512 --new 128 --columns ours_none ours_lora --fuse-qkv --eager-prefill \
+      --no-profile ${DECODE_ARGS:-} --json "$W/ab_$i.json"
+    grep -h "tok/s" "$W/ab_$i.log" | tail -6
+    i=$((i + 1))
+  done
   ;;
 esac
 cp "$W"/*.md "$W"/*.png "$OUT/" 2>/dev/null
