@@ -49,7 +49,7 @@ except ImportError as _error:
 PROG = "moe-lora-compile tune"
 GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stages": ((4, 3), (4, 4), (8, 3), (4, 2)),
                 "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
-SPLIT_K_CHOICES = (1, 4, 8, 16)
+SPLIT_K_CHOICES = (1, 4, 8, 16, 32)
 PDL_CHOICES = (False, "late", "early")
 MXFP4_BLOCK_K_CHOICES = (64, 128, 256)  # MXFP4 K tiles: 32 bytes of a weight row per 64 inputs
 
