@@ -350,7 +350,8 @@ what PEFT records), compared with the base the folder records (:func:`check_base
 
 
 def _final(name: str, lora: ModuleLoRA, dtype: torch.dtype) -> ModuleLoRA:
-    """``lora``'s factors cast to the slot ``dtype``; every value must stay finite (scaling included)."""
+    """``lora``'s factors cast to the slot ``dtype``; every value must stay finite (scaling included).
+    AdapterFileError otherwise (:func:`recast_parsed` adds the folder, as :func:`load_peft_adapter` does)."""
     out = {}
     for factor, t in vars(lora).items():
         if t is None:
@@ -365,6 +366,17 @@ def _final(name: str, lora: ModuleLoRA, dtype: torch.dtype) -> ModuleLoRA:
                 f"or lora_alpha too large for this model")
         out[factor] = cast
     return type(lora)(**out)
+
+
+def recast_parsed(path: str, weights: Mapping[str, ModuleLoRA], dtypes: Mapping[str, torch.dtype]
+                  ) -> dict[str, ModuleLoRA]:
+    """Factors :func:`load_peft_adapter` read from ``path``, cast to new slot ``dtypes`` (``{module name: dtype}``;
+    the model was cast after the parse): the same cast and finiteness check, the same ValueError as a fresh load
+    of the folder in those dtypes."""
+    try:
+        return {name: _final(name, lora, dtypes[name]) for name, lora in weights.items()}
+    except AdapterFileError as e:
+        raise ValueError(f"path: adapter folder {path!r}, {e}") from None
 
 
 def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: bool,
