@@ -411,8 +411,15 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
     per_expert: dict[str, dict[str, dict[int, tuple[str, Tensor, Tensor]]]] = {}
     three_d: dict[str, list[tuple[str, Tensor, Tensor]]] = {}
 
+    renamed_from: dict[str, str] = {}
     for module, (a, b) in sorted(pairs.items()):
         name = _renamed(module, aliases)
+        if name in renamed_from:  # a legacy name and the current one (or two legacy ones) for one module
+            raise _weights_error(
+                f"adapter weights {renamed_from[name]!r} and {module!r} are both LoRA pairs of module {name!r} (legacy "
+                f"names read as {', '.join(f'{old!r} -> {new!r}' for old, new in aliases.items())}); "
+                f"one would silently replace the other: keep one of them")
+        renamed_from[name] = module
         if name in linear_targets:
             result[name] = _linear_lora(module, a, b, linear_targets[name], config)
             continue

@@ -254,3 +254,33 @@ def test_loader_returns_the_slot_dtype(tmp_path):
     out = load_peft_adapter(str(tmp_path / "ad"), mm._experts_targets, mm._linear_targets, max_rank=8,
                             dtype=torch.bfloat16)
     assert {t.dtype for lora in out.values() for t in vars(lora).values() if t is not None} == {torch.bfloat16}
+
+
+# (keys of one expert's w2 pair, as saved): the same module under a legacy name and under its current one.
+DUPLICATE_AFTER_RENAME = [
+    # Mixtral per-expert: block_sparse_moe.experts.0.w2 and mlp.experts.0.w2 (one used to replace the other)
+    pytest.param(("model.layers.0.block_sparse_moe.experts.0.w2", "model.layers.0.mlp.experts.0.w2"),
+                 id="per-expert-legacy-and-current"),
+    # the same, on another expert and projection (w1): the error names whichever pair comes second
+    pytest.param(("model.layers.0.block_sparse_moe.experts.3.w1", "model.layers.0.mlp.experts.3.w1"),
+                 id="per-expert-gate"),
+]
+
+
+@pytest.mark.parametrize("modules", DUPLICATE_AFTER_RENAME)
+def test_legacy_and_current_names_of_one_module_are_refused(tmp_path, modules):
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for module in modules:
+        n_in, n_out = (24, 32) if module.endswith("w2") else (32, 24)
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = torch.randn(2, n_in, generator=g)
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = torch.randn(n_out, 2, generator=g)
+    os.makedirs(tmp_path / "ad")
+    save_file(tensors, tmp_path / "ad" / "adapter_model.safetensors")
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "peft_type": "LORA"}))
+    target = ExpertsTarget(4, 32, 24, "concat", per_expert_names=("w1", "w3", "w2"))
+    message = (rf"adapter weights '{modules[0]}' and '{modules[1]}' are both LoRA pairs of module '{modules[1]}' "
+               r"\(legacy names read as 'block_sparse_moe' -> 'mlp'\)")
+    with pytest.raises(ValueError, match=message):
+        load_peft_adapter(str(tmp_path / "ad"), {"model.layers.0.mlp.experts": target}, {}, max_rank=8,
+                          aliases={"block_sparse_moe": "mlp"})
