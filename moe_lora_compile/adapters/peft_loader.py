@@ -529,18 +529,22 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
 
 def _stack_experts(experts: dict[int, tuple[str, Tensor, Tensor]], E: int, n_in: int, n_out: int,
                    config: AdapterConfig) -> tuple[Tensor, Tensor]:
-    """Per-expert pairs of one projection -> ``A [E,r,in]``, scaled ``B [E,out,r]`` (zeros for absent experts)."""
-    ranks = {a.shape[0] for _, a, _ in experts.values()}
-    if len(ranks) != 1:
-        raise _weights_error(f"experts of one projection have different ranks {sorted(ranks)}")
-    r = ranks.pop()
+    """Per-expert pairs of one projection -> ``A [E,r,in]``, scaled ``B [E,out,r]`` (zeros for absent experts).
+
+    Experts may have ranks of their own (a per-expert ``rank_pattern`` such as ``{"experts.1.w2": 4}``, and
+    ``alpha_pattern``: each expert's ``alpha / r`` is folded into its B): ``r`` is the largest, the others'
+    factors zero-padded to it (their extra rows of A / columns of B are zero, so ``B A`` is unchanged)."""
+    r = 0
+    for module, a, b in experts.values():
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape[0] != n_out or a.shape[0] != b.shape[1]:
+            raise _weights_error(f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
+                                 f"[r, {n_in}] / [{n_out}, r] (adapter made for another base model?)")
+        _check_rank(module, module, a.shape[0], config)
+        r = max(r, a.shape[0])
     a_all, b_all = torch.zeros(E, r, n_in), torch.zeros(E, n_out, r)
     for e, (module, a, b) in experts.items():
-        if list(a.shape) != [r, n_in] or list(b.shape) != [n_out, r]:
-            raise _weights_error(f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
-                             f"[{r}, {n_in}] / [{n_out}, {r}] (adapter made for another base model?)")
-        _check_rank(module, module, r, config)
-        a_all[e], b_all[e] = a, b * config.scaling_of(module)
+        r_e = a.shape[0]
+        a_all[e, :r_e], b_all[e, :, :r_e] = a, b * config.scaling_of(module)
     return a_all, b_all
 
 
