@@ -41,6 +41,7 @@ from ..ops.layout import is_interleaved, is_transposed, merge_gate_up
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"  # PEFT's save with safe_serialization=False: refused, named in the error
 _PEFT_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT_RE = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<leaf>[A-Za-z0-9_]+)$")
@@ -280,6 +281,11 @@ def _read_adapter_weights(path: str) -> dict[str, Tensor]:
 
     weights_path = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, PICKLE_WEIGHTS_NAME)):
+            raise FileNotFoundError(
+                f"path: no {WEIGHTS_NAME} in adapter folder {path!r}, only {PICKLE_WEIGHTS_NAME}: pickle (.bin) "
+                f"checkpoints are not supported (loading one can run arbitrary code); save the adapter with "
+                f"save_pretrained(..., safe_serialization=True), PEFT's default, or convert it to safetensors")
         raise FileNotFoundError(f"path: no {WEIGHTS_NAME} in adapter folder {path!r}")
     try:
         raw = load_file(weights_path)
@@ -407,6 +413,9 @@ def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: boo
 def _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases) -> dict[str, ModuleLoRA]:
     """The body of :func:`load_peft_adapter`: fp32 factors, scaled, checked against the targets."""
     pairs = _pair_keys(_read_adapter_weights(path))
+    if not pairs:  # loading it would serve the base model under the adapter's name, silently
+        raise _weights_error("holds no LoRA weights (no lora_A / lora_B tensors): an adapter saved without its "
+                             "trained weights, or an empty file?")
     result: dict[str, ModuleLoRA] = {}
     per_expert: dict[str, dict[str, dict[int, tuple[str, Tensor, Tensor]]]] = {}
     three_d: dict[str, list[tuple[str, Tensor, Tensor]]] = {}

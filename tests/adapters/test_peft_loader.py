@@ -356,3 +356,36 @@ def test_per_expert_rank_pattern_matches_peft_forward(tmp_path, overrides):
             torch.testing.assert_close(h @ lora.a2[e].T @ lora.b2[e].T, want, rtol=1e-5, atol=1e-5)
     ranks = {e: experts[e].w2.lora_A["default"].weight.shape[0] for e in range(E)}
     assert lora.a2.shape[1] == max(ranks.values())  # padded to the largest rank, no more
+
+
+# (files in the folder besides a valid adapter_config.json listing targets, error type, message)
+WEIGHTLESS_FOLDERS = [
+    # an adapter_model.safetensors with no tensors at all (was served as the base model, silently)
+    pytest.param("empty_safetensors", ValueError,
+                 r"adapter folder '.*empty_safetensors', adapter_model.safetensors: holds no LoRA weights",
+                 id="empty-safetensors"),
+    # only PEFT's pickle checkpoint (save_pretrained(..., safe_serialization=False))
+    pytest.param("bin_only", FileNotFoundError,
+                 r"no adapter_model.safetensors in adapter folder '.*bin_only', only adapter_model.bin: pickle "
+                 r"\(.bin\) checkpoints are not supported .* safe_serialization=True", id="bin-only"),
+    # no weights file at all
+    pytest.param("no_weights", FileNotFoundError, r"no adapter_model.safetensors in adapter folder '.*no_weights'$",
+                 id="no-weights-file"),
+]
+
+
+@pytest.mark.parametrize("kind,error,message", WEIGHTLESS_FOLDERS)
+def test_folder_without_lora_weights_is_refused(tmp_path, kind, error, message):
+    folder = tmp_path / kind
+    os.makedirs(folder)
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj"]}))
+    if kind == "empty_safetensors":
+        save_file({}, folder / "adapter_model.safetensors")
+    elif kind == "bin_only":
+        torch.save({}, folder / "adapter_model.bin")
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=1, max_rank=8)
+    with pytest.raises(error, match=message):
+        mm.load_adapter("x", folder)
+    assert mm.adapters == {}
