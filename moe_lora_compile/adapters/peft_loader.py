@@ -41,6 +41,7 @@ from ..ops.layout import is_interleaved, is_transposed, merge_gate_up
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
+PICKLE_WEIGHTS_NAME = "adapter_model.bin"  # PEFT's save with safe_serialization=False: refused, named in the error
 _PEFT_PREFIX = "base_model.model."
 _KEY_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT_RE = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<leaf>[A-Za-z0-9_]+)$")
@@ -280,6 +281,11 @@ def _read_adapter_weights(path: str) -> dict[str, Tensor]:
 
     weights_path = os.path.join(path, WEIGHTS_NAME)
     if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(path, PICKLE_WEIGHTS_NAME)):
+            raise FileNotFoundError(
+                f"path: no {WEIGHTS_NAME} in adapter folder {path!r}, only {PICKLE_WEIGHTS_NAME}: pickle (.bin) "
+                f"checkpoints are not supported (loading one can run arbitrary code); save the adapter with "
+                f"save_pretrained(..., safe_serialization=True), PEFT's default, or convert it to safetensors")
         raise FileNotFoundError(f"path: no {WEIGHTS_NAME} in adapter folder {path!r}")
     try:
         raw = load_file(weights_path)
@@ -350,7 +356,8 @@ what PEFT records), compared with the base the folder records (:func:`check_base
 
 
 def _final(name: str, lora: ModuleLoRA, dtype: torch.dtype) -> ModuleLoRA:
-    """``lora``'s factors cast to the slot ``dtype``; every value must stay finite (scaling included)."""
+    """``lora``'s factors cast to the slot ``dtype``; every value must stay finite (scaling included).
+    AdapterFileError otherwise (:func:`recast_parsed` adds the folder, as :func:`load_peft_adapter` does)."""
     out = {}
     for factor, t in vars(lora).items():
         if t is None:
@@ -365,6 +372,17 @@ def _final(name: str, lora: ModuleLoRA, dtype: torch.dtype) -> ModuleLoRA:
                 f"or lora_alpha too large for this model")
         out[factor] = cast
     return type(lora)(**out)
+
+
+def recast_parsed(path: str, weights: Mapping[str, ModuleLoRA], dtypes: Mapping[str, torch.dtype]
+                  ) -> dict[str, ModuleLoRA]:
+    """Factors :func:`load_peft_adapter` read from ``path``, cast to new slot ``dtypes`` (``{module name: dtype}``;
+    the model was cast after the parse): the same cast and finiteness check, the same ValueError as a fresh load
+    of the folder in those dtypes."""
+    try:
+        return {name: _final(name, lora, dtypes[name]) for name, lora in weights.items()}
+    except AdapterFileError as e:
+        raise ValueError(f"path: adapter folder {path!r}, {e}") from None
 
 
 def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: bool,
@@ -395,12 +413,22 @@ def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: boo
 def _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases) -> dict[str, ModuleLoRA]:
     """The body of :func:`load_peft_adapter`: fp32 factors, scaled, checked against the targets."""
     pairs = _pair_keys(_read_adapter_weights(path))
+    if not pairs:  # loading it would serve the base model under the adapter's name, silently
+        raise _weights_error("holds no LoRA weights (no lora_A / lora_B tensors): an adapter saved without its "
+                             "trained weights, or an empty file?")
     result: dict[str, ModuleLoRA] = {}
     per_expert: dict[str, dict[str, dict[int, tuple[str, Tensor, Tensor]]]] = {}
     three_d: dict[str, list[tuple[str, Tensor, Tensor]]] = {}
 
+    renamed_from: dict[str, str] = {}
     for module, (a, b) in sorted(pairs.items()):
         name = _renamed(module, aliases)
+        if name in renamed_from:  # a legacy name and the current one (or two legacy ones) for one module
+            raise _weights_error(
+                f"adapter weights {renamed_from[name]!r} and {module!r} are both LoRA pairs of module {name!r} (legacy "
+                f"names read as {', '.join(f'{old!r} -> {new!r}' for old, new in aliases.items())}); "
+                f"one would silently replace the other: keep one of them")
+        renamed_from[name] = module
         if name in linear_targets:
             result[name] = _linear_lora(module, a, b, linear_targets[name], config)
             continue
@@ -510,18 +538,22 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
 
 def _stack_experts(experts: dict[int, tuple[str, Tensor, Tensor]], E: int, n_in: int, n_out: int,
                    config: AdapterConfig) -> tuple[Tensor, Tensor]:
-    """Per-expert pairs of one projection -> ``A [E,r,in]``, scaled ``B [E,out,r]`` (zeros for absent experts)."""
-    ranks = {a.shape[0] for _, a, _ in experts.values()}
-    if len(ranks) != 1:
-        raise _weights_error(f"experts of one projection have different ranks {sorted(ranks)}")
-    r = ranks.pop()
+    """Per-expert pairs of one projection -> ``A [E,r,in]``, scaled ``B [E,out,r]`` (zeros for absent experts).
+
+    Experts may have ranks of their own (a per-expert ``rank_pattern`` such as ``{"experts.1.w2": 4}``, and
+    ``alpha_pattern``: each expert's ``alpha / r`` is folded into its B): ``r`` is the largest, the others'
+    factors zero-padded to it (their extra rows of A / columns of B are zero, so ``B A`` is unchanged)."""
+    r = 0
+    for module, a, b in experts.values():
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != n_in or b.shape[0] != n_out or a.shape[0] != b.shape[1]:
+            raise _weights_error(f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
+                                 f"[r, {n_in}] / [{n_out}, r] (adapter made for another base model?)")
+        _check_rank(module, module, a.shape[0], config)
+        r = max(r, a.shape[0])
     a_all, b_all = torch.zeros(E, r, n_in), torch.zeros(E, n_out, r)
     for e, (module, a, b) in experts.items():
-        if list(a.shape) != [r, n_in] or list(b.shape) != [n_out, r]:
-            raise _weights_error(f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected "
-                             f"[{r}, {n_in}] / [{n_out}, {r}] (adapter made for another base model?)")
-        _check_rank(module, module, r, config)
-        a_all[e], b_all[e] = a, b * config.scaling_of(module)
+        r_e = a.shape[0]
+        a_all[e, :r_e], b_all[e, :, :r_e] = a, b * config.scaling_of(module)
     return a_all, b_all
 
 

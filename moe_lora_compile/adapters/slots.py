@@ -49,11 +49,14 @@ class AdapterWeights(dict):
     """``{module name: ExpertsLoRA | LinearLoRA}`` already validated for one model's slots, in the slot dtypes, on
     the host (pinned when asked). Made by :meth:`AdapterSlots.validate` or from the PEFT loader's result; writing it
     into a slot needs no further checks. ``owner``: the :class:`AdapterSlots` it was validated for (weights
-    validated for another model's slots are checked again). Mutating its tensors afterwards is the caller's risk."""
+    validated for another model's slots are checked again; so are weights whose dtypes are no longer the slot
+    dtypes, after the model was cast). ``path``: the PEFT folder it was read from, if any (named in the errors of
+    such a check). Mutating its tensors afterwards is the caller's risk."""
 
-    def __init__(self, data=(), *, owner: Optional["AdapterSlots"] = None):
+    def __init__(self, data=(), *, owner: Optional["AdapterSlots"] = None, path: Optional[str] = None):
         super().__init__(data)
         self.owner = owner
+        self.path = path
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +73,7 @@ class AdapterWeights(dict):
 
     def _map(self, fn) -> "AdapterWeights":
         return AdapterWeights({name: type(lora)(**{f: None if t is None else fn(t) for f, t in vars(lora).items()})
-                               for name, lora in self.items()}, owner=self.owner)
+                               for name, lora in self.items()}, owner=self.owner, path=self.path)
 
 
 def _check_pair(where: str, a, b, a_shape: tuple, b_shape: tuple, rank_dims: tuple[int, int], max_rank: int,

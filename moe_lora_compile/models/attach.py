@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter
+from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter, recast_parsed
 from ..adapters.slots import AdapterSlots, AdapterWeights
 from ..ops.contract import NO_ADAPTER
 from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intact, fusion_problem,
@@ -213,17 +213,34 @@ class MultiLoRAModel(nn.Module):
         """A PEFT adapter folder (read and validated exactly as :meth:`load_adapter` does) or already-parsed factors
         (the dict :func:`~moe_lora_compile.adapters.load_peft_adapter` returns, checked against this model's slots)
         -> :class:`~moe_lora_compile.adapters.slots.AdapterWeights`: host copies in the slot dtypes, ready for
-        :meth:`load_adapter_weights`. Touches no slot; ValueError / FileNotFoundError naming the problem."""
+        :meth:`load_adapter_weights`. Touches no slot; ValueError / FileNotFoundError naming the problem.
+
+        This model's own result is returned as is while the slot dtypes are still those it was cast to; after a cast
+        of the model (``mm.half()``) it is checked again in the new dtypes (a value past fp16's range would be
+        written as Inf), with the error a fresh load gives: a copy in the new dtypes (cast from the parsed copy: a cast
+        up keeps the parse's precision)."""
+        dtypes = self._slot_dtypes()
         if isinstance(source, AdapterWeights) and source.owner is self.slots:
-            return source
+            if all(t.dtype == dtypes[name] for name, lora in source.items() for t in vars(lora).values()
+                   if t is not None):
+                return source
+            if source.path is not None:  # a folder's factors: its scaled values, re-checked as a load of it
+                return AdapterWeights(recast_parsed(source.path, source, dtypes), owner=self.slots, path=source.path)
+            return self.slots.validate(source)
         if isinstance(source, (str, os.PathLike)):
-            dtypes = {name: m.lora_b13.dtype for name, m in self.slots.experts_modules.items()}
-            dtypes.update({name: m.lora_b.dtype for name, m in self.slots.linear_modules.items()})
-            return AdapterWeights(load_peft_adapter(os.fspath(source), self._experts_targets, self._linear_targets,
+            path = os.fspath(source)
+            return AdapterWeights(load_peft_adapter(path, self._experts_targets, self._linear_targets,
                                                     max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
                                                     model_type=getattr(self.model.config, "model_type", None),
-                                                    model_module=type(self.model).__module__), owner=self.slots)
+                                                    model_module=type(self.model).__module__), owner=self.slots,
+                                  path=path)
         return self.slots.validate(source)
+
+    def _slot_dtypes(self) -> dict[str, torch.dtype]:
+        """``{LoRA module name: its slot buffers' dtype}`` now (the model may have been cast since a parse)."""
+        dtypes = {name: m.lora_b13.dtype for name, m in self.slots.experts_modules.items()}
+        dtypes.update({name: m.lora_b.dtype for name, m in self.slots.linear_modules.items()})
+        return dtypes
 
     def load_adapter_weights(self, name: str, weights, *, replace: bool = False, slot: Optional[int] = None,
                              non_blocking: bool = False) -> int:

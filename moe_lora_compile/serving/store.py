@@ -201,13 +201,17 @@ class AdapterStore:
                 raise ValueError(f"adapters: {direct} are loaded into the model directly (mm.load_adapter) under "
                                  f"names registered in this store; unload them from the model first")
             # parse first (may fail: nothing changed yet); committed to the entries once all parsed
-            parsed, parse_seconds = {}, 0.0
+            parsed, parse_seconds, recast = {}, 0.0, {}
             for n in missing:
                 if self._entries[n].weights is None:
                     parsed[n], seconds = self._parse(self._entries[n])
                     parse_seconds += seconds
-            for n, weights in parsed.items():  # kept even if no slot is found below: a request waiting for a
-                self._entries[n].weights = weights  # slot does not re-read its folder at every retry
+                else:  # a host copy parsed before the model was cast (mm.half()): checked and cast again
+                    current = self.mm.parse_adapter(self._entries[n].weights)
+                    if current is not self._entries[n].weights:
+                        recast[n] = self._host_copy(current)
+            for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a request
+                self._entries[n].weights = weights  # waiting for a slot does not re-read its folder at every retry
             self._counters.disk_loads += len(parsed)
             self._counters.parse_seconds += parse_seconds
             free = self._free_slots()

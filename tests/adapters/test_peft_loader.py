@@ -254,3 +254,138 @@ def test_loader_returns_the_slot_dtype(tmp_path):
     out = load_peft_adapter(str(tmp_path / "ad"), mm._experts_targets, mm._linear_targets, max_rank=8,
                             dtype=torch.bfloat16)
     assert {t.dtype for lora in out.values() for t in vars(lora).values() if t is not None} == {torch.bfloat16}
+
+
+# (keys of one expert's w2 pair, as saved): the same module under a legacy name and under its current one.
+DUPLICATE_AFTER_RENAME = [
+    # Mixtral per-expert: block_sparse_moe.experts.0.w2 and mlp.experts.0.w2 (one used to replace the other)
+    pytest.param(("model.layers.0.block_sparse_moe.experts.0.w2", "model.layers.0.mlp.experts.0.w2"),
+                 id="per-expert-legacy-and-current"),
+    # the same, on another expert and projection (w1): the error names whichever pair comes second
+    pytest.param(("model.layers.0.block_sparse_moe.experts.3.w1", "model.layers.0.mlp.experts.3.w1"),
+                 id="per-expert-gate"),
+]
+
+
+@pytest.mark.parametrize("modules", DUPLICATE_AFTER_RENAME)
+def test_legacy_and_current_names_of_one_module_are_refused(tmp_path, modules):
+    g = torch.Generator().manual_seed(0)
+    tensors = {}
+    for module in modules:
+        n_in, n_out = (24, 32) if module.endswith("w2") else (32, 24)
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = torch.randn(2, n_in, generator=g)
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = torch.randn(n_out, 2, generator=g)
+    os.makedirs(tmp_path / "ad")
+    save_file(tensors, tmp_path / "ad" / "adapter_model.safetensors")
+    (tmp_path / "ad" / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 2, "peft_type": "LORA"}))
+    target = ExpertsTarget(4, 32, 24, "concat", per_expert_names=("w1", "w3", "w2"))
+    message = (rf"adapter weights '{modules[0]}' and '{modules[1]}' are both LoRA pairs of module '{modules[1]}' "
+               r"\(legacy names read as 'block_sparse_moe' -> 'mlp'\)")
+    with pytest.raises(ValueError, match=message):
+        load_peft_adapter(str(tmp_path / "ad"), {"model.layers.0.mlp.experts": target}, {}, max_rank=8,
+                          aliases={"block_sparse_moe": "mlp"})
+
+
+class _Expert(torch.nn.Module):
+    """A Mixtral-style expert of nn.Linear projections (what PEFT's per-expert keys come from)."""
+
+    def __init__(self, H, I):
+        super().__init__()
+        self.w1, self.w3 = torch.nn.Linear(H, I, bias=False), torch.nn.Linear(H, I, bias=False)
+        self.w2 = torch.nn.Linear(I, H, bias=False)
+
+
+class _PerExpertModel(torch.nn.Module):
+    """``model.layers.0.block_sparse_moe.experts.{e}.{w1,w3,w2}``: nn.Linear experts under the legacy block name."""
+
+    def __init__(self, E, H, I):
+        super().__init__()
+        moe = torch.nn.Module()
+        moe.experts = torch.nn.ModuleList(_Expert(H, I) for _ in range(E))
+        layer = torch.nn.Module()
+        layer.block_sparse_moe = moe
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([layer])
+
+
+# LoraConfig overrides of r=2, lora_alpha=4 on nn.Linear experts: PEFT gives each matching module its own rank.
+PER_EXPERT_PATTERNS = [
+    # one expert's down projection at rank 4, the others at 2 (was refused: "different ranks")
+    pytest.param(dict(rank_pattern={"experts.1.w2": 4}), id="one-expert-down-rank"),
+    # one expert's gate at rank 3: its gate and up A's differ, stacked (2 + 3), zero-padded in the other experts
+    pytest.param(dict(rank_pattern={"experts.0.w1": 3}), id="one-expert-gate-rank"),
+    # a rank and an alpha of its own on one expert's up projection (its alpha / r folded into its B alone)
+    pytest.param(dict(rank_pattern={"experts.2.w3": 4}, alpha_pattern={"experts.2.w3": 16}),
+                 id="one-expert-up-rank-and-alpha"),
+    # rsLoRA (alpha / sqrt(r)) with two experts of rank 4 on w2
+    pytest.param(dict(rank_pattern={r"experts\.[13]\.w2": 4}, use_rslora=True), id="rslora-two-experts"),
+]
+
+
+@pytest.mark.parametrize("overrides", PER_EXPERT_PATTERNS)
+def test_per_expert_rank_pattern_matches_peft_forward(tmp_path, overrides):
+    """Experts of one projection with ranks of their own load zero-padded to the largest; each expert's delta equals
+    PEFT's own forward of that nn.Linear (float32)."""
+    from peft import LoraConfig
+
+    E, H, I = 4, 32, 24
+    torch.manual_seed(0)
+    base = _PerExpertModel(E, H, I).eval()
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(target_modules=["w1", "w3", "w2"], r=2,
+                                                                 lora_alpha=4, **overrides)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    peft_model.save_pretrained(tmp_path / "ad")
+    name = "model.layers.0.mlp.experts"
+    target = ExpertsTarget(E, H, I, "concat", per_expert_names=("w1", "w3", "w2"))
+    lora = load_peft_adapter(str(tmp_path / "ad"), {name: target}, {}, max_rank=8,
+                             aliases={"block_sparse_moe": "mlp"})[name]
+    experts = peft_model.base_model.model.model.layers[0].block_sparse_moe.experts
+    base_experts = base.model.layers[0].block_sparse_moe.experts
+    x, h = torch.randn(5, H, generator=g), torch.randn(5, I, generator=g)
+    with torch.no_grad():
+        for e in range(E):
+            d13 = x @ lora.a13[e].T @ lora.b13[e].T  # [5, 2I]: gate rows, then up rows (concat)
+            for leaf, got in (("w1", d13[:, :I]), ("w3", d13[:, I:])):
+                want = getattr(experts[e], leaf)(x) - getattr(base_experts[e], leaf)(x)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            want = experts[e].w2(h) - base_experts[e].w2(h)
+            torch.testing.assert_close(h @ lora.a2[e].T @ lora.b2[e].T, want, rtol=1e-5, atol=1e-5)
+    ranks = {e: experts[e].w2.lora_A["default"].weight.shape[0] for e in range(E)}
+    assert lora.a2.shape[1] == max(ranks.values())  # padded to the largest rank, no more
+
+
+# (files in the folder besides a valid adapter_config.json listing targets, error type, message)
+WEIGHTLESS_FOLDERS = [
+    # an adapter_model.safetensors with no tensors at all (was served as the base model, silently)
+    pytest.param("empty_safetensors", ValueError,
+                 r"adapter folder '.*empty_safetensors', adapter_model.safetensors: holds no LoRA weights",
+                 id="empty-safetensors"),
+    # only PEFT's pickle checkpoint (save_pretrained(..., safe_serialization=False))
+    pytest.param("bin_only", FileNotFoundError,
+                 r"no adapter_model.safetensors in adapter folder '.*bin_only', only adapter_model.bin: pickle "
+                 r"\(.bin\) checkpoints are not supported .* safe_serialization=True", id="bin-only"),
+    # no weights file at all
+    pytest.param("no_weights", FileNotFoundError, r"no adapter_model.safetensors in adapter folder '.*no_weights'$",
+                 id="no-weights-file"),
+]
+
+
+@pytest.mark.parametrize("kind,error,message", WEIGHTLESS_FOLDERS)
+def test_folder_without_lora_weights_is_refused(tmp_path, kind, error, message):
+    folder = tmp_path / kind
+    os.makedirs(folder)
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj"]}))
+    if kind == "empty_safetensors":
+        save_file({}, folder / "adapter_model.safetensors")
+    elif kind == "bin_only":
+        torch.save({}, folder / "adapter_model.bin")
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=1, max_rank=8)
+    with pytest.raises(error, match=message):
+        mm.load_adapter("x", folder)
+    assert mm.adapters == {}

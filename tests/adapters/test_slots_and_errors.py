@@ -439,3 +439,62 @@ def test_slots_hold_each_adapters_rank(adapters, tmp_path):
     mm.unload_adapter("p")
     for module in list(mm.slots.experts_modules.values()) + list(mm.slots.linear_modules.values()):
         assert not module.lora_ranks[..., 1].any()
+
+
+def _dict_of(parsed):
+    """Parsed factors as a plain dict (not AdapterWeights): what a caller's own factors look like."""
+    return {name: type(lora)(**{f: None if t is None else t.clone() for f, t in vars(lora).items()})
+            for name, lora in parsed.items()}
+
+
+# (parsed from, then the model's cast, lora_B scale, error expected): weights parsed for the slots of one dtype and
+# written after the model was cast to another.
+PARSED_THEN_CAST = [
+    # a folder whose B overflows fp16 (2e5): parsed for fp32 slots, loaded after mm.half() (was written as Inf)
+    pytest.param("folder", torch.float16, 2e5, True, id="folder-overflows-fp16"),
+    # the caller's own factors, validated for fp32 slots, loaded after mm.half()
+    pytest.param("dict", torch.float16, 2e5, True, id="dict-overflows-fp16"),
+    # fits fp16: parsed for fp32 slots, loaded after mm.half(): the slots hold what a fresh fp16 load gives
+    pytest.param("folder", torch.float16, 1.0, False, id="folder-fits-fp16"),
+    # parsed for fp16 slots, loaded after mm.float(): written in fp32 (the parse's fp16 values, cast up)
+    pytest.param("folder-fp16", torch.float32, 1.0, False, id="fp16-parse-into-fp32-slots"),
+]
+
+
+@pytest.mark.parametrize("source,cast,scale,fails", PARSED_THEN_CAST)
+def test_parsed_weights_are_checked_again_after_the_model_is_cast(adapters, tmp_path, source, cast, scale, fails):
+    """parse_adapter's result is trusted for its own slots only while their dtype is the one it was parsed in: after
+    ``mm.half()`` the factors are cast and checked again, with the error a fresh load gives, before any slot is
+    written (they were written as they were: Inf in fp16 slots)."""
+    path = _copy_with(adapters["paths"]["x"], tmp_path / "scaled", _scaled(scale))
+    base = copy.deepcopy(adapters["base"])
+    mm = attach(base.half() if source == "folder-fp16" else base, max_loras=2, max_rank=8)
+    parsed = mm.parse_adapter(path)
+    if source == "dict":
+        parsed = mm.parse_adapter(_dict_of(parsed))
+    mm.to(cast)
+    fresh = attach(copy.deepcopy(adapters["base"]).to(cast), max_loras=2, max_rank=8)
+    if fails:
+        with pytest.raises(ValueError) as want:  # a fresh load of the same factors in the new dtype
+            fresh.load_adapter_weights("x", _dict_of(parsed)) if source == "dict" else fresh.load_adapter("x", path)
+        before, _ = _all_buffers(mm)
+        with pytest.raises(ValueError) as got:
+            mm.load_adapter_weights("x", parsed)
+        assert str(got.value) == str(want.value)
+        after, _ = _all_buffers(mm)
+        assert mm.adapters == {} and all(torch.equal(before[k], after[k]) for k in before)
+        return
+    slot = mm.load_adapter_weights("x", parsed)
+    if source == "folder-fp16":  # the independent expectation: the fp16 parse's values, in fp32
+        fresh.load_adapter_weights("x", {name: type(lora)(**{f: None if t is None else t.float()
+                                                             for f, t in vars(lora).items()})
+                                         for name, lora in parsed.items()})
+    else:
+        fresh.load_adapter("x", path)
+    got, _ = _all_buffers(mm)
+    want, _ = _all_buffers(fresh)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+        if got[key].is_floating_point():  # (the ranks are int32)
+            assert got[key].dtype == cast and torch.isfinite(got[key]).all(), key
+    assert slot == 0

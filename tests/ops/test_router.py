@@ -112,6 +112,70 @@ def test_kernel_matches_float64_oracle(case):
     assert router_launch._counters.all_clear(hidden.device), "arrival counters not reset"
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+def _poke_hostile(hidden, bias, poke):
+    """Non-finite routing inputs in place: ``nan_row`` hidden row 1 all NaN (an overflowed hidden state: every
+    logit NaN); ``inf_entry`` hidden[2, 0] = +inf (every logit of row 2 is +-inf, several tied at +inf);
+    ``neg_inf_entry`` hidden[0, 1] = -inf; ``nan_bias`` bias[3] = NaN (one NaN logit per row, mid-row);
+    ``inf_bias`` bias[1] = +inf and bias[4] = NaN (a NaN outranks +inf)."""
+    if poke == "nan_row":
+        hidden[1] = NAN
+    elif poke == "inf_entry":
+        hidden[2, 0] = INF
+    elif poke == "neg_inf_entry":
+        hidden[0, 1] = -INF
+    elif poke == "nan_bias":
+        bias[3] = NAN
+    elif poke == "inf_bias":
+        bias[1], bias[4] = INF, NAN
+
+
+# (T, E, H, k, scoring, renormalize, poke, bias): rows whose logits hold NaN or +-inf.
+HOSTILE_CASES = [
+    # an all-NaN row: k NaN picks, the lowest experts (the kernel returned id E_PAD = 16 here)
+    pytest.param((3, 8, 32, 2, "softmax_topk", False, "nan_row", False), id="nan-row-softmax-topk"),
+    pytest.param((3, 8, 32, 2, "softmax_topk", True, "nan_row", False), id="nan-row-softmax-topk-renorm"),
+    pytest.param((3, 8, 32, 2, "topk_softmax", False, "nan_row", True), id="nan-row-topk-softmax"),
+    pytest.param((3, 8, 32, 3, "topk_sigmoid", False, "nan_row", False), id="nan-row-topk-sigmoid"),
+    # one +inf input: logits +-inf, several tied at +inf (softmax over them is NaN, sigmoid 1 / 0)
+    pytest.param((3, 8, 32, 2, "softmax_topk", True, "inf_entry", False), id="inf-entry-softmax-topk"),
+    pytest.param((3, 8, 32, 3, "topk_softmax", False, "inf_entry", False), id="inf-entry-topk-softmax"),
+    pytest.param((3, 8, 32, 3, "topk_sigmoid", False, "inf_entry", False), id="inf-entry-topk-sigmoid"),
+    # a -inf input: +-inf logits in row 0, two slices of H (the inf sits in the first partial sum)
+    pytest.param((3, 6, 32, 2, "topk_softmax", False, "neg_inf_entry", False), id="neg-inf-entry-split"),
+    # one NaN logit mid-row (bias): it ranks first, then the numbers in value order
+    pytest.param((4, 8, 32, 3, "topk_sigmoid", False, "nan_bias", True), id="nan-logit-topk-sigmoid"),
+    pytest.param((4, 8, 32, 2, "topk_softmax", False, "nan_bias", True), id="nan-logit-topk-softmax"),
+    # NaN above +inf above the numbers; k = E: every column once, NaN first
+    pytest.param((2, 6, 32, 6, "topk_sigmoid", False, "inf_bias", True), id="nan-over-inf-k-equals-E"),
+    # E=20 (two E blocks, E_PAD 32, padding columns never picked) with an all-NaN row, k=4
+    pytest.param((3, 20, 32, 4, "topk_sigmoid", False, "nan_row", False), id="nan-row-E20"),
+]
+
+
+@pytest.mark.parametrize("case", HOSTILE_CASES)
+def test_kernel_non_finite_logits(case):
+    """NaN ranks above every number (torch.topk's order) and equal values go to the lower index, so ids always lie
+    in [0, E) and equal the stable-sort oracle's; the weights are the reference's, NaN where it gives NaN."""
+    T, E, H, k, scoring, renormalize, poke, bias = case
+    hidden, weight, b = make_inputs(T, E, H, bias=bias)
+    _poke_hostile(hidden, b, poke)
+    logits, scores, ids = route_triton(hidden, weight, b, top_k=k, scoring=scoring, renormalize=renormalize,
+                                       scores_dtype=torch.float32, split_k=2 if poke == "neg_inf_entry" else None)
+    ref_logits, ref_weights, ref_ids = route_oracle(hidden, weight, b, k, scoring, renormalize)
+    assert ((ids >= 0) & (ids < E)).all(), ids
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(logits.to(F64), ref_logits, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(scores.to(F64), ref_weights, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # the op's CPU impl (torch.topk: ties in an unspecified order) gives the same weights
+    _, aten_scores, aten_ids = route_reference(hidden, weight, b, top_k=k, scoring=scoring, renormalize=renormalize)
+    torch.testing.assert_close(scores, aten_scores, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert ((aten_ids >= 0) & (aten_ids < E)).all()
+    assert router_launch._counters.all_clear(hidden.device), "arrival counters not reset"
+
+
 def test_kernel_empty_batch():
     hidden, weight, _ = make_inputs(1, 4, 16)
     logits, scores, ids = route_triton(hidden[:0], weight, None, top_k=2, scoring="softmax_topk", renormalize=False,

@@ -15,6 +15,7 @@ import torch
 from support.cases import MoECase
 from support.oracle import lora_linear_oracle, moe_lora_oracle
 
+from moe_lora_compile.ops.reference import fused_moe_lora_reference
 from moe_lora_compile.ops.triton.configs import GemmConfig, MoEKernelConfig, ShrinkConfig
 from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton
 from moe_lora_compile.ops.triton.routing import max_blocks, sort_pairs
@@ -187,6 +188,85 @@ def test_out_of_range_slots_reaching_the_kernels_are_no_adapter(per_pair):
                                                                            num_stages=1))})
         want = lora_linear_oracle(x, w, a, b, torch.tensor([1, -1, -1, 0]))
         torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-4)
+
+
+def _with_a_zero_expert(args, kwargs, bad):
+    """The independent expectation for pairs whose expert lies outside [0, E): the same problem with one more expert,
+    E, all zero (base weights, biases, LoRA factors), and those pairs (``bad`` [T, k] bool) routed to it. Its h is
+    0, so act(0) = 0 for silu and GPT-OSS's swiglu alike, and its pairs add exactly nothing."""
+    args, kwargs = list(args), dict(kwargs)
+
+    def pad(t, dim):
+        shape = list(t.shape)
+        shape[dim] = 1
+        return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+    E = args[4].shape[0]
+    args[1] = torch.where(bad, E, args[1].long()).to(args[1].dtype)
+    args[4], args[5] = pad(args[4], 0), pad(args[5], 0)
+    args[6:10] = [pad(t, 1) for t in args[6:10]]
+    for key in ("w13_bias", "w2_bias"):
+        if key in kwargs:
+            kwargs[key] = pad(kwargs[key], 0)
+    return args, kwargs
+
+
+# (case, config, bad ids {(token, j): id}); E = 4 unless the case says otherwise.
+OUT_OF_RANGE_EXPERTS = [
+    # sorted: one pair's id just past the end (E), another token's both pairs at 16 (the router's old E_PAD)
+    pytest.param(kernel_case(T=5, k=2), tiny_config(False), {(1, 0): 4, (3, 0): 16, (3, 1): 16},
+                 id="sorted-E-and-whole-token"),
+    # sorted, k=1: the w2 rows are y itself; a -1 id leaves that token's y row exactly 0
+    pytest.param(kernel_case(T=4, k=1), tiny_config(False), {(2, 0): -1}, id="sorted-k1-negative"),
+    # sorted with the block shrink (not the per-pair one) and int64 ids: 2**32 + 1 would truncate to expert 1
+    pytest.param(kernel_case(T=5, k=2, topk_dtype=torch.int64), tiny_config(False).replace(per_pair_shrink=False),
+                 {(0, 1): 2 ** 32 + 1, (4, 0): -(2 ** 40)}, id="sorted-block-shrink-int64-wide"),
+    # sorted, w13 split-K, fused shrink2; every pair out of range: no block at all, y all zero
+    pytest.param(kernel_case(T=3, k=2), tiny_config(False, True, split13=2),
+                 {(t, j): 7 for t in range(3) for j in range(2)}, id="sorted-split-k-all-out"),
+    # per-pair, w2 shrink fused, top-k sum in the w2 kernel: the bad pair still arrives with a zero row
+    pytest.param(kernel_case(T=4, k=2), tiny_config(True, True), {(1, 1): 4, (2, 0): -3}, id="per-pair-topk-sum"),
+    # per-pair, w13 and w2 split-K: every K slice of the bad pair's row is zero; a whole token out of range
+    pytest.param(kernel_case(T=3, k=3, E=6), tiny_config(True, True, split13=2, split2=2),
+                 {(0, 2): 6, (2, 0): 99, (2, 1): 99, (2, 2): 99}, id="per-pair-split-k"),
+    # per-pair w2 then a torch top-k sum (one x.dtype row per pair), separate w2 shrink
+    pytest.param(kernel_case(T=4, k=2), tiny_config(True, False, fuse_topk_sum=False), {(3, 0): 4},
+                 id="per-pair-w2-then-sum"),
+    # per-pair, k=1: the w2 rows are y itself
+    pytest.param(kernel_case(T=3, k=1), tiny_config(True, True), {(1, 0): 5}, id="per-pair-k1"),
+    # GPT-OSS layout with biases: the bad pair's biases (read from expert 0) must not leak either
+    pytest.param(kernel_case(T=4, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),
+                 tiny_config(True, True), {(0, 0): 4, (3, 1): -1}, id="per-pair-gptoss-bias"),
+    pytest.param(kernel_case(T=4, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True),
+                 tiny_config(False), {(0, 0): 4, (3, 1): -1}, id="sorted-gptoss-bias"),
+    # Llama-4: routing weight on the input, w13 shrink scaled by it
+    pytest.param(kernel_case(T=4, layout="transposed_concat", routing_weight_on_input=True),
+                 tiny_config(True, True), {(2, 1): 4}, id="per-pair-weight-on-input"),
+]
+
+
+@pytest.mark.parametrize("case,config,bad_ids", OUT_OF_RANGE_EXPERTS)
+def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad_ids):
+    """Expert ids outside [0, E) that skip the op's checks (off inside CUDA graphs, MOE_LORA_CHECK_IDS=0): such a
+    pair adds nothing (no base GEMM, no LoRA, no bias), whatever path. Before, the kernels indexed the weights and
+    stacks with the id (per-pair: reads past W13/W2; sorted: an out-of-bounds atomic into the routing's counters)
+    and -1 read the last expert. The reference (the CPU impl, reached only with checks off) reads them the same."""
+    args, kwargs = case.make(DEVICE)
+    args = list(args)
+    ids = args[1].clone()
+    bad = torch.zeros(ids.shape, dtype=torch.bool)
+    for (t, j), e in bad_ids.items():
+        ids[t, j] = e
+        bad[t, j] = True
+    args[1] = ids
+    y = fused_moe_lora_triton(*args, **kwargs, config=config)
+    want = oracle(*_with_a_zero_expert(args, kwargs, bad.to(ids.device)))
+    torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-4)
+    whole = bad.all(dim=1)  # tokens with every pair out of range: exactly zero
+    assert torch.equal(y.cpu()[whole], torch.zeros_like(y.cpu()[whole]))
+    ref = fused_moe_lora_reference(*(t.cpu() for t in args), **{k: v.cpu() if torch.is_tensor(v) else v
+                                                               for k, v in kwargs.items()})
+    torch.testing.assert_close(ref.double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])

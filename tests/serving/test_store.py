@@ -384,3 +384,58 @@ def test_held_adapters_are_pinned_in_the_model(setup):
     store.release(["a"])
     assert mm._pins == {} and store.acquire(["b"]) == [0] and store.counters.disk_loads == 2
     store.release(["b"])
+
+
+def _scaled_copy(src, dst, factor):
+    """A copy of the adapter folder ``src`` with every lora_B times ``factor``."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "adapter_model.safetensors")
+    save_file({k: v * factor if "lora_B" in k else v for k, v in load_file(path).items()}, path)
+    return str(dst)
+
+
+# (how the adapter is registered, lora_B scale, error expected): host copies parsed for fp32 slots, then mm.half().
+HOST_COPY_THEN_CAST = [
+    # a folder read at register (preload): B of 2e5 is past fp16's range (it was written as Inf)
+    pytest.param("preload", 2e5, True, id="preloaded-folder-overflows-fp16"),
+    # mm.parse_adapter's result registered as is (kept, not copied)
+    pytest.param("parsed", 2e5, True, id="parsed-weights-overflow-fp16"),
+    # fits fp16: loaded as a fresh fp16 load would be, and the host copy is kept in fp16 from then on
+    pytest.param("preload", 1.0, False, id="preloaded-folder-fits-fp16"),
+]
+
+
+@pytest.mark.parametrize("how,scale,fails", HOST_COPY_THEN_CAST)
+def test_host_copies_are_checked_again_after_the_model_is_cast(setup, tmp_path, how, scale, fails):
+    """The store's host copies are in the slot dtype of their parse; after ``mm.half()`` an acquire casts and checks
+    them again (the error a fresh load of the folder gives, nothing changed) and keeps the cast copy."""
+    path = _scaled_copy(setup["paths"]["a"], tmp_path / "scaled", scale)
+    mm = attach(copy.deepcopy(setup["base"]), max_loras=2, max_rank=8)
+    store = AdapterStore(mm)
+    if how == "preload":
+        store.register("s", path, preload=True)
+    else:
+        store.register("s", mm.parse_adapter(path))
+    store.register("b", setup["paths"]["b"])
+    mm.half()
+    fresh = attach(copy.deepcopy(setup["base"]).half(), max_loras=2, max_rank=8)
+    if fails:
+        with pytest.raises(ValueError) as want:
+            fresh.load_adapter("s", path)
+        with store.use(["b"]):
+            pass
+        before = _snapshot(mm, store)
+        with pytest.raises(ValueError) as got:
+            store.acquire(["s"])
+        assert str(got.value) == str(want.value)
+        _assert_same(before, _snapshot(mm, store))
+        return
+    with store.use(["s"]):
+        slot = store.resident["s"]
+    fresh.load_adapter("s", path)
+    assert all(torch.equal(x, y) for x, y in zip(_slot_buffers(mm, slot), _slot_buffers(fresh, 0)))
+    host = store._entries["s"].weights
+    assert all(t.dtype == torch.float16 for lora in host.values() for t in vars(lora).values() if t is not None)
+    with store.use(["b"]), store.use(["s"]):  # acquired again: the kept copy is not cast again
+        assert store._entries["s"].weights is host

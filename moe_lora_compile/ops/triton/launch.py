@@ -105,7 +105,8 @@ def _launch_shrink(inp, a, topk_weights, token_lora_ids, meta, *, K_dim, R, top_
     (:func:`.moe_kernels.lora_shrink_pairs_kernel`), same rows written; else one per row block. ``ranks``,
     ``rank_block``, ``rank_stride``, ``rank_blocks``: each slot's rank (:func:`.moe_kernels.rank_mask`; ranks None:
     all R)."""
-    rank_args = dict(ranks_ptr=ranks, rank_block=rank_block, rank_stride=rank_stride, num_slots=a.shape[0])
+    rank_args = dict(ranks_ptr=ranks, rank_block=rank_block, rank_stride=rank_stride, num_slots=a.shape[0],
+                     num_experts=a.shape[1])
     row_pair, block_expert, topk_ids, num_blocks, num_pairs, grid_m = meta
     cfg = ShrinkConfig.of(cfg)
     zero_counters = counters is not None and counters.numel() > 0
@@ -191,11 +192,25 @@ def fused_moe_lora_triton(
         ranks13, ranks2 = lora_ranks[0], lora_ranks[1]
     rank_block13 = R // 2 if lora_b13_split else R  # split form: the gate and up halves share each slot's rank
     chain = LaunchChain(supported_mode(x.device, requested_pdl(cfg.pdl, passed_by_caller=config is not None)))
+    # Expert ids outside [0, E) (unchecked: inside CUDA graphs, MOE_LORA_CHECK_IDS=0) add nothing: every kernel gets
+    # E (per-pair mode: such a pair skips its GEMMs and its w2 row is zeros; sorted mode: the routing leaves it out
+    # and zeroes its row of the w2 output).
+    y = out if out is not None else torch.empty((T, H), dtype=x.dtype, device=x.device)
+    c2 = cfg.w2
+    topk_sum = cfg.per_pair and cfg.fuse_topk_sum and (top_k > 1 or c2.SPLIT_K > 1)
+    block_n2, block_k2 = _tile(c2.BLOCK_N, H), _tile(c2.BLOCK_K, I, w2_scales)
+    split2, k_per_split2, even_k2 = _k_split(I, block_k2, c2.SPLIT_K if topk_sum else 1)
+    if topk_sum:  # fp32 partial rows per pair (and K slice), summed per token into y by the w2 kernel
+        rows2 = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
+    elif top_k == 1:  # one row per pair = per token: straight into y
+        rows2 = y
+    else:  # one row per pair, in x.dtype, summed per token below
+        rows2 = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
     if cfg.per_pair:  # one pair per block: no routing, the kernels read the pair's expert from topk_ids
         mode, grid_m = K.PER_PAIR, num_pairs
         row_pair = block_expert = num_blocks = pair_row = None
     else:
-        routing = sort_pairs(topk_ids, token_lora_ids, E, L, block_m, chain=chain)
+        routing = sort_pairs(topk_ids, token_lora_ids, E, L, block_m, chain=chain, zero_rows=rows2)
         mode, grid_m = K.SORTED, routing.grid_m
         row_pair, block_expert, num_blocks = routing.row_pair, routing.block_expert, routing.num_blocks
         pair_row = routing.pair_row
@@ -207,14 +222,11 @@ def fused_moe_lora_triton(
     act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     dot_precision = _dot_precision(x.dtype)
 
-    c13, c2 = cfg.w13, cfg.w2
+    c13 = cfg.w13
     block_n, block_k = _tile(c13.BLOCK_N, I), _tile(c13.BLOCK_K, H, w13_scales)
-    block_n2, block_k2 = _tile(c2.BLOCK_N, H), _tile(c2.BLOCK_K, I, w2_scales)
     split13, k_per_split13, even_k13 = _k_split(H, block_k, c13.SPLIT_K)
-    # Top-k sum inside the w2 kernel (per-pair mode): fp32 partial per pair (and K slice), the last of a token's
-    # programs per H tile sums them. w2 split-K exists only on this path.
-    topk_sum = cfg.per_pair and cfg.fuse_topk_sum and (top_k > 1 or c2.SPLIT_K > 1)
-    split2, k_per_split2, even_k2 = _k_split(I, block_k2, c2.SPLIT_K if topk_sum else 1)
+    # Top-k sum inside the w2 kernel (per-pair mode, ``topk_sum`` above): fp32 partial per pair (and K slice), the
+    # last of a token's programs per H tile sums them. w2 split-K exists only on this path.
     # Arrival counters (int32), zeroed by the shrink13 kernel, the first of the chain: w13's per tile (split-K),
     # then w2's per (token, H tile) (top-k sum).
     n13 = grid_m * triton.cdiv(I, block_n) if split13 > 1 else 0
@@ -249,7 +261,7 @@ def fused_moe_lora_triton(
         ACTIVATION=_ACTIVATION_IDS[activation], WEIGHT_ON_INPUT=routing_weight_on_input,
         EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
         SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.w13_overlap, num_warps=c13.num_warps,
-        num_stages=c13.num_stages, ranks_ptr=ranks13, rank_block=rank_block13, num_slots=L,
+        num_stages=c13.num_stages, ranks_ptr=ranks13, rank_block=rank_block13, num_slots=L, num_experts=E,
         ranks2_ptr=ranks2 if fuse_shrink2 else None, SPLIT_CHUNK=split_chunk(s13.shape[0], block_m, block_r),
         **chain.next())
 
@@ -258,13 +270,6 @@ def fused_moe_lora_triton(
                             block_m=block_m, input_by_token=False, scale_by_weight=False, cfg=cfg.shrink,
                             dtype=x.dtype, launch=chain.next(), ranks=ranks2, rank_block=R2, **shrink_kind)
 
-    y = out if out is not None else torch.empty((T, H), dtype=x.dtype, device=x.device)
-    if topk_sum:  # fp32 partial rows per pair (and K slice), summed per token into y by the w2 kernel
-        rows2 = torch.empty((split2 * num_pairs, H), dtype=torch.float32, device=x.device)
-    elif top_k == 1:  # one row per pair = per token: straight into y
-        rows2 = y
-    else:  # one row per pair, in x.dtype, summed per token below
-        rows2 = torch.empty((num_pairs, H), dtype=x.dtype, device=x.device)
     K.moe_w2_kernel[(grid_m * triton.cdiv(H, block_n2), split2)](
         in_ptr=act, stride_in=act.stride(0), **_base_weight_args(w2, w2_scales, layout), bias_ptr=w2_bias, stride_bias_e=0 if w2_bias is None else w2_bias.stride(0),
         b_ptr=b2, stride_bl=b2.stride(0), stride_be=b2.stride(1), stride_bn=b2.stride(2),
@@ -278,7 +283,7 @@ def fused_moe_lora_triton(
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
         SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, ranks_ptr=ranks2, num_slots=L,
-        SPLIT_CHUNK=split_chunk(s2.shape[0], block_m, block_r2), **chain.next())
+        num_experts=E, SPLIT_CHUNK=split_chunk(s2.shape[0], block_m, block_r2), **chain.next())
     if not topk_sum and top_k > 1:
         torch.sum(rows2.view(T, top_k, H), dim=1, out=y)
     return y

@@ -81,21 +81,38 @@ def launch_dependents(USE_PDL: tl.constexpr):
 
 
 @triton.jit
-def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
+def load_expert(topk_ids_ptr, pair, num_experts):
+    """(``topk_ids[pair]`` as int64, 0 where it lies outside ``[0, num_experts)``; whether it lies outside): the
+    op's checks refuse such ids, but they are off inside CUDA graphs (and with ``MOE_LORA_CHECK_IDS=0``), and a
+    kernel must never index an expert past the weights. Such a pair contributes nothing (see :func:`_block_rows`).
+    The compare is on the id as loaded (an int64 id past 2**31 is not truncated into range first)."""
+    expert = tl.load(topk_ids_ptr + pair)
+    bad = (expert < 0) | (expert >= num_experts)
+    return tl.where(bad, 0, expert).to(tl.int64), bad
+
+
+@triton.jit
+def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, num_experts,
                 BLOCK_M: tl.constexpr, MODE: tl.constexpr):
-    """-> (pair [BLOCK_M] int32, NO_PAIR = padding; the block's expert, int64 scalar)."""
+    """-> (pair [BLOCK_M] int32, NO_PAIR = padding; the block's expert, int64 scalar; whether the block's pair has
+    an out-of-range expert, a bool scalar, PER_PAIR mode only: False in the others). PER_PAIR: a pair whose
+    expert lies outside ``[0, num_experts)`` is NO_PAIR (no row of the block is valid) and its expert 0, so every
+    address stays in bounds; the kernels skip its GEMMs, and the w2 kernel writes its output row as zeros. SORTED
+    mode never sees such a pair (:mod:`.routing` leaves it out of the blocks)."""
     offs_m = tl.arange(0, BLOCK_M)
     if MODE == _SORTED:
         pair = tl.load(row_pair_ptr + pid_m * BLOCK_M + offs_m)
         expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        bad = expert < 0  # False: the routing's block experts lie in [0, E)
     elif MODE == _PER_PAIR:
-        pair = tl.where(offs_m == 0, pid_m, _NO_PAIR)
-        expert = tl.load(topk_ids_ptr + pid_m).to(tl.int64)
+        expert, bad = load_expert(topk_ids_ptr, pid_m, num_experts)
+        pair = tl.where((offs_m == 0) & ~bad, pid_m, _NO_PAIR)
     else:  # DENSE
         rows = pid_m * BLOCK_M + offs_m
         pair = tl.where(rows < num_pairs, rows, _NO_PAIR)
         expert = tl.full([], 0, tl.int64)
-    return pair.to(tl.int32), expert
+        bad = expert < 0
+    return pair.to(tl.int32), expert, bad
 
 
 @triton.jit
@@ -277,6 +294,7 @@ def lora_shrink_kernel(
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0,
     ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 0, num_slots=2147483647,
+    num_experts=2147483647,
 ):
     """s[split, row] = in[row or token, K slice] @ A[l, e, :, K slice]^T for rows with LoRA -> s [SPLIT_K, rows, R]
     fp32 (rows = grid_m*BLOCK_M); the consumer sums the SPLIT_K slices (deterministic, no memset, no atomics).
@@ -286,7 +304,8 @@ def lora_shrink_kernel(
     layer (w13 split-K, w2 top-k sum): the shrink is the first kernel of the chain, so no memset launch.
     ``ranks_ptr``, ``rank_block``, ``rank_stride``, RANK_BLOCKS: each slot's rank (:func:`rank_mask`; RANK_BLOCKS
     n >= 1 for lora_linear's DENSE mode);
-    A's rows past it are not read, their entries of s are 0."""
+    A's rows past it are not read, their entries of s are 0. ``num_experts``: E (a pair of an expert outside
+    ``[0, E)`` has no row with LoRA, :func:`_block_rows`)."""
     grid_dependency_sync(USE_PDL)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -298,7 +317,8 @@ def lora_shrink_kernel(
     if MODE == _SORTED:
         if pid_m >= tl.load(num_blocks_ptr):
             return
-    pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
+    pair, expert, bad_expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
+                                           num_experts, BLOCK_M, MODE)
     valid = pair >= 0
     token = tl.where(valid, pair // top_k, 0)
     lora = load_slots(token_lora_ptr, token, valid, num_slots)
@@ -350,7 +370,7 @@ def lora_shrink_pairs_kernel(
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     INPUT_BY_TOKEN: tl.constexpr, SCALE_BY_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     ZERO_COUNTERS: tl.constexpr = False, USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
-    num_slots=2147483647,
+    num_slots=2147483647, num_experts=2147483647,
 ):
     """The per-pair shrink (decode-sized batches): what :func:`lora_shrink_kernel` computes, one (token, expert)
     pair and K slice per program, grid (num_pairs, SPLIT_K). The slot is a scalar (no walk over a block's slots),
@@ -358,7 +378,8 @@ def lora_shrink_pairs_kernel(
     ``-1`` tokens exit at once. The result goes to the pair's row of the consumers' layout ``s [SPLIT_K, rows, R]``
     (slice stride ``split_stride``): ``pair_row[pair]`` in SORTED mode (:mod:`.routing`), ``pair*BLOCK_M`` in
     PER_PAIR mode; the input row is the token (INPUT_BY_TOKEN) or that row (``act``). ZERO_COUNTERS, ranks: as
-    there."""
+    there. A pair whose expert lies outside ``[0, num_experts)`` exits like a ``-1`` token (SORTED mode gave it no
+    row: its ``pair_row`` entry is never written, so it is not read)."""
     grid_dependency_sync(USE_PDL)
     pair = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -371,7 +392,9 @@ def lora_shrink_pairs_kernel(
     lora = load_slots(token_lora_ptr, token, None, num_slots).to(tl.int64)
     if lora < 0:
         return
-    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    expert, bad_expert = load_expert(topk_ids_ptr, pair, num_experts)
+    if bad_expert:
+        return
     if MODE == _SORTED:
         row = tl.load(pair_row_ptr + pair).to(tl.int64)
     else:  # PER_PAIR
@@ -428,7 +451,8 @@ def moe_w13_kernel(
     DOT_PRECISION: tl.constexpr, FUSE_SHRINK2: tl.constexpr, SPLIT_K: tl.constexpr = 1,
     WAIT_AFTER_MAIN_LOOP: tl.constexpr = True, USE_PDL: tl.constexpr = 0,
     w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0,
-    ranks_ptr=None, rank_block=1, ranks2_ptr=None, num_slots=2147483647, SPLIT_CHUNK: tl.constexpr = 1,
+    ranks_ptr=None, rank_block=1, ranks2_ptr=None, num_slots=2147483647, num_experts=2147483647,
+    SPLIT_CHUNK: tl.constexpr = 1,
 ):
     """act[row, j] = act(gate, up), gate/up = x W13[e]^T (* w if on input) + s13 B13[l,e]^T + bias, for j in a
     BLOCK_N tile of the I outputs. Gate/up columns: j and I+j (concat: two dots per K step) or 2j and 2j+1
@@ -454,7 +478,10 @@ def moe_w13_kernel(
     decoded in the main loop (:func:`.mxfp4_kernels.mxfp4_expert_gemm`); stride_wk is unused.
 
     Ranks (:func:`rank_mask`): ``ranks_ptr`` each slot's w13 rank (in blocks of ``rank_block``: R, or R/2 in the
-    split form), ``ranks2_ptr`` its w2 rank (the fused shrink2's A2 rows)."""
+    split form), ``ranks2_ptr`` its w2 rank (the fused shrink2's A2 rows).
+
+    ``num_experts``: E. PER_PAIR mode: a pair whose expert lies outside ``[0, E)`` (:func:`_block_rows`) exits
+    before its GEMM (after the PDL wait, so the chain's order holds) and writes nothing."""
     if not WAIT_AFTER_MAIN_LOOP:
         grid_dependency_sync(USE_PDL)
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -463,7 +490,13 @@ def moe_w13_kernel(
     if MODE == _SORTED:
         if pid_m >= tl.load(num_blocks_ptr):
             return
-    pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
+    pair, expert, bad_expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
+                                           num_experts, BLOCK_M, MODE)
+    if MODE == _PER_PAIR:
+        if bad_expert:  # an expert id outside [0, E): no GEMM, no act row (the w2 kernel writes zeros)
+            if WAIT_AFTER_MAIN_LOOP:
+                grid_dependency_sync(USE_PDL)
+            return
     valid = pair >= 0
     token = tl.where(valid, pair // top_k, 0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -616,6 +649,22 @@ def moe_w13_kernel(
         tl.store(s2_ptrs, s2, mask=has_lora[:, None] & r2_mask[None, :])
 
 
+@triton.jit
+def _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stride_se, stride_sn, expert, offs_k,
+             offs_n, n_mask, k_start, k_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, W_FORMAT: tl.constexpr):
+    """The w2 kernel's base GEMM over K range ``[k_start, k_end)`` of ``expert`` -> [BLOCK_M, BLOCK_N] fp32."""
+    if W_FORMAT == _MXFP4:
+        acc = mxfp4_expert_gemm(in_ptrs, w_ptr + expert * stride_we, w_scales_ptr + expert * stride_se, offs_n,
+                                stride_wn, stride_sn, k_start, k_end, n_mask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                                EVEN_N, DOT_PRECISION)
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        acc = _expert_gemm(in_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                           EVEN_N, DOT_PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs", "grid_m"])
 def moe_w2_kernel(
     in_ptr, stride_in, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
@@ -628,7 +677,7 @@ def moe_w2_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
     w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0, ranks_ptr=None, num_slots=2147483647,
-    SPLIT_CHUNK: tl.constexpr = 1,
+    num_experts=2147483647, SPLIT_CHUNK: tl.constexpr = 1,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM.
 
@@ -645,14 +694,19 @@ def moe_w2_kernel(
     ``p*num_pairs + pair``; the last of the token's top_k*SPLIT_K programs of the tile sums them all.
 
     W_FORMAT MXFP4: ``w_ptr`` is W2's blocks uint8 ``[E, H, I/32, 16]``, ``w_scales_ptr`` its scales (addressed
-    like the w13 kernel's). ``ranks_ptr``: each slot's w2 rank (:func:`rank_mask`)."""
+    like the w13 kernel's). ``ranks_ptr``: each slot's w2 rank (:func:`rank_mask`).
+
+    ``num_experts``: E. PER_PAIR mode: a pair whose expert lies outside ``[0, E)`` (:func:`_block_rows`) skips its
+    GEMM and writes its row (each K slice's) as zeros, and still arrives for the top-k sum: it adds nothing to y.
+    (SORTED mode: :mod:`.routing` zeroes such a pair's row.)"""
     grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
     pid_k = tl.program_id(1)
     if MODE == _SORTED:
         if pid_m >= tl.load(num_blocks_ptr):
             return
-    pair, expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, BLOCK_M, MODE)
+    pair, expert, bad_expert = _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs,
+                                           num_experts, BLOCK_M, MODE)
     valid = pair >= 0
     token = tl.where(valid, pair // top_k, 0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -666,14 +720,18 @@ def moe_w2_kernel(
         in_rows = rows.to(tl.int64)
     in_ptrs = in_ptr + in_rows[:, None] * stride_in + offs_k[None, :]
     k_start = pid_k * k_per_split
-    if W_FORMAT == _MXFP4:
-        acc = mxfp4_expert_gemm(in_ptrs, w_ptr + expert * stride_we, w_scales_ptr + expert * stride_se, offs_n,
-                                stride_wn, stride_sn, k_start, tl.minimum(k_start + k_per_split, K), n_mask,
-                                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if MODE == _PER_PAIR:
+        if bad_expert:  # an expert id outside [0, E) (see _block_rows): no GEMM, a zero row
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        else:
+            acc = _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stride_se, stride_sn,
+                           expert, offs_k, offs_n, n_mask, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                           DOT_PRECISION, W_FORMAT)
     else:
-        w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-        acc = _expert_gemm(in_ptrs, w_ptrs, k_start, tl.minimum(k_start + k_per_split, K), stride_wk, n_mask,
-                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
+        acc = _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stride_se, stride_sn, expert,
+                       offs_k, offs_n, n_mask, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                       DOT_PRECISION, W_FORMAT)
     launch_dependents(USE_PDL)
 
     lora = load_slots(token_lora_ptr, token, valid, num_slots)
@@ -694,8 +752,13 @@ def moe_w2_kernel(
     if WEIGHT_ON_OUTPUT:
         weight = tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
-    out_ptrs = out_ptr + (pid_k * num_pairs + pair).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    if MODE == _PER_PAIR:  # the block's pair owns its row even with an out-of-range expert: zeros there
+        out_pair = tl.where(offs_m == 0, pid_m, _NO_PAIR)
+        acc = tl.where(valid[:, None], acc, 0.0)
+    else:
+        out_pair = pair
+    out_ptrs = out_ptr + (pid_k * num_pairs + out_pair).to(tl.int64)[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(out_pair >= 0)[:, None] & n_mask[None, :])
     if TOPK_SUM:
         # Arrive: all threads' partial stores happen before one thread's acq_rel atomic (release side).
         tl.debug_barrier()

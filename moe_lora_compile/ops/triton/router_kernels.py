@@ -28,17 +28,26 @@ def _top_k(vals, valid_e, offs_e, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PA
            BLOCK_T: tl.constexpr):
     """The k largest of ``vals [BLOCK_T, E_PAD]`` (fp32; columns with ``valid_e`` false never chosen) per row,
     descending, equal values in index order -> (values [BLOCK_T, K_PAD] fp32, ids [BLOCK_T, K_PAD] int32; columns
-    >= TOP_K are 0). A -inf value is still chosen before no value: ``taken`` marks chosen columns, not the value."""
+    >= TOP_K are 0). A -inf value is still chosen before no value: ``taken`` marks chosen columns, not the value.
+    NaN ranks above every number, +inf included (``torch.topk``'s order), NaNs among themselves in index order: a
+    round picks the lowest open NaN column if the row has one, else the lowest column holding the max of the rest,
+    so every id is a valid column whatever the values (``tl.max`` never sees a NaN: its NaN rule differs between
+    the GPU and the interpreter)."""
     offs_k = tl.arange(0, K_PAD)
     taken = offs_e[None, :] < 0  # all False, [1, E_PAD]
+    is_nan = vals != vals
     top_vals = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         open_ = valid_e[None, :] & ~taken
-        cand = tl.where(open_, vals, float("-inf"))
+        open_nan = open_ & is_nan
+        open_num = open_ & ~is_nan
+        has_nan = tl.max(open_nan.to(tl.int32), axis=1) > 0
+        cand = tl.where(open_num, vals, float("-inf"))
         best = tl.max(cand, axis=1)
-        at_best = open_ & (cand == best[:, None])
+        at_best = tl.where(has_nan[:, None], open_nan, open_num & (cand == best[:, None]))
         idx = tl.min(tl.where(at_best, offs_e[None, :], E_PAD), axis=1)
+        best = tl.where(has_nan, float("nan"), best)
         taken = taken | (offs_e[None, :] == idx[:, None])
         top_vals = tl.where(offs_k[None, :] == j, best[:, None], top_vals)
         top_ids = tl.where(offs_k[None, :] == j, idx[:, None], top_ids)

@@ -5,6 +5,11 @@ the device (``num_blocks [1]``). Pairs of one expert are padded together (one ex
 they are ordered by adapter slot so a block sees few distinct adapters. Order inside one (expert, adapter) segment
 is arbitrary (atomics); each row's result does not depend on its neighbours.
 
+A pair whose expert id lies outside ``[0, E)`` (the op's checks refuse it, but they are off inside CUDA graphs and
+with ``MOE_LORA_CHECK_IDS=0``) is left out: counted nowhere, in no block, no ``pair_row`` entry; the count kernel
+zeroes its output row instead (``zero_rows``), so it adds nothing to the top-k sum and nothing indexes past the
+counters or the weights.
+
 Four launches: one memset, count, offsets (one program), scatter. The scatter also writes the inverse map
 ``pair_row`` (row of each pair), for the per-pair shrink (:func:`.moe_kernels.lora_shrink_pairs_kernel`). With a :class:`.pdl.LaunchChain` the three
 Triton kernels are the start of the layer's PDL chain (count is its first kernel: it follows the memset).
@@ -44,18 +49,37 @@ def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(1, min(num_pairs, num_pairs // block_m + num_experts))
 
 
+@triton.jit
+def _load_experts(topk_ids_ptr, offs, in_range, num_experts):
+    """-> (experts [CHUNK] int32, 0 where left out; pairs kept: in range with an expert in ``[0, num_experts)``;
+    pairs dropped: in range with an expert outside it). Compared as loaded: an int64 id is not truncated first."""
+    expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0)
+    dropped = in_range & ((expert < 0) | (expert >= num_experts))
+    keep = in_range & ~dropped
+    return tl.where(keep, expert, 0).to(tl.int32), keep, dropped
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_rows"])
-def _count_kernel(topk_ids_ptr, token_lora_ptr, counts_ptr, row_pair_ptr, num_pairs, num_rows, top_k,
-                  NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+def _count_kernel(topk_ids_ptr, token_lora_ptr, counts_ptr, row_pair_ptr, num_pairs, num_rows, top_k, num_experts,
+                  zero_ptr, stride_zero, N, NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK_N: tl.constexpr = 32, USE_PDL: tl.constexpr = 0):
     """counts[e*(L+1) + l+1] += 1 per pair (segment l+1 = 0: NO_ADAPTER = -1); also fills row_pair with NO_PAIR
-    (padding)."""
+    (padding). A pair of an expert outside ``[0, num_experts)`` is not counted; with ``zero_ptr`` its row
+    ``zero_ptr[pair, :N]`` (row stride ``stride_zero``) is zeroed (a loop that only a chunk holding one runs)."""
     grid_dependency_sync(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     tl.store(row_pair_ptr + offs, tl.full([CHUNK], _NO_PAIR, tl.int32), mask=offs < num_rows)
     in_range = offs < num_pairs
-    expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
+    expert, keep, dropped = _load_experts(topk_ids_ptr, offs, in_range, num_experts)
     lora = load_slots(token_lora_ptr, offs // top_k, in_range, NUM_SLOTS_P1 - 1)
-    tl.atomic_add(counts_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
+    tl.atomic_add(counts_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=keep)
+    if zero_ptr is not None:
+        if tl.max(dropped.to(tl.int32), axis=0) > 0:
+            row_ptrs = zero_ptr + offs.to(tl.int64)[:, None] * stride_zero
+            zeros = tl.zeros((CHUNK, BLOCK_N), dtype=zero_ptr.dtype.element_ty)
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                tl.store(row_ptrs + offs_n[None, :], zeros, mask=dropped[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit(do_not_specialize=["grid_m"])
@@ -86,23 +110,26 @@ def _offsets_kernel(counts_ptr, cursor_ptr, block_expert_ptr, num_blocks_ptr, gr
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _scatter_kernel(topk_ids_ptr, token_lora_ptr, cursor_ptr, row_pair_ptr, pair_row_ptr, num_pairs, top_k,
-                    NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
-    """row_pair[cursor[segment]++] = pair, and pair_row[pair] = that row."""
+                    num_experts, NUM_SLOTS_P1: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = 0):
+    """row_pair[cursor[segment]++] = pair, and pair_row[pair] = that row (pairs the count kernel counted)."""
     grid_dependency_sync(USE_PDL)
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     in_range = offs < num_pairs
-    expert = tl.load(topk_ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
+    expert, keep, _ = _load_experts(topk_ids_ptr, offs, in_range, num_experts)
     lora = load_slots(token_lora_ptr, offs // top_k, in_range, NUM_SLOTS_P1 - 1)
-    row = tl.atomic_add(cursor_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=in_range)
-    tl.store(row_pair_ptr + row, offs, mask=in_range)
-    tl.store(pair_row_ptr + offs, row, mask=in_range)
+    row = tl.atomic_add(cursor_ptr + expert * NUM_SLOTS_P1 + lora + 1, 1, mask=keep)
+    tl.store(row_pair_ptr + row, offs, mask=keep)
+    tl.store(pair_row_ptr + offs, row, mask=keep)
 
 
 def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts: int, num_slots: int,
-               block_m: int, chain: Optional[LaunchChain] = None) -> Routing:
+               block_m: int, chain: Optional[LaunchChain] = None,
+               zero_rows: Optional[torch.Tensor] = None) -> Routing:
     """topk_ids [T, k] int, token_lora_ids [T] int (NO_ADAPTER = none) -> :class:`Routing` for ``num_slots`` adapters.
 
-    ``chain``: the PDL launch chain these kernels start (default: none, plain launches)."""
+    ``chain``: the PDL launch chain these kernels start (default: none, plain launches). ``zero_rows`` ([T*k, N],
+    unit column stride): the per-pair output rows; a pair whose expert lies outside ``[0, num_experts)`` (left out
+    of the routing) gets its row zeroed."""
     chain = chain if chain is not None else LaunchChain(PDL_OFF)
     T, top_k = topk_ids.shape
     num_pairs = T * top_k
@@ -118,13 +145,14 @@ def sort_pairs(topk_ids: torch.Tensor, token_lora_ids: torch.Tensor, num_experts
     topk_flat = topk_ids.reshape(-1).contiguous()  # reshape keeps a [T, 1] column slice strided
     lora_ids = token_lora_ids.contiguous()
     _count_kernel[(triton.cdiv(max(num_pairs, num_rows), CHUNK),)](
-        topk_flat, lora_ids, counts, row_pair, num_pairs, num_rows, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
-        **chain.next())
+        topk_flat, lora_ids, counts, row_pair, num_pairs, num_rows, top_k, num_experts, zero_rows,
+        0 if zero_rows is None else zero_rows.stride(0), 0 if zero_rows is None else zero_rows.shape[1],
+        NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK, **chain.next())
     _offsets_kernel[(1,)](
         counts, cursor, block_expert, num_blocks, grid_m, num_experts, BLOCK_M=block_m, NUM_SLOTS_P1=num_slots + 1,
         E_BLOCK=triton.next_power_of_2(num_experts), S_BLOCK=triton.next_power_of_2(num_slots + 1), B_CHUNK=64,
         **chain.next())
     _scatter_kernel[(triton.cdiv(num_pairs, CHUNK),)](
-        topk_flat, lora_ids, cursor, row_pair, pair_row, num_pairs, top_k, NUM_SLOTS_P1=num_slots + 1, CHUNK=CHUNK,
-        **chain.next())
+        topk_flat, lora_ids, cursor, row_pair, pair_row, num_pairs, top_k, num_experts, NUM_SLOTS_P1=num_slots + 1,
+        CHUNK=CHUNK, **chain.next())
     return Routing(row_pair, block_expert, num_blocks, grid_m, pair_row)
