@@ -7,7 +7,7 @@ import torch
 
 from moe_lora_compile import settings
 from moe_lora_compile.ops.triton import configs
-from moe_lora_compile.shapes import GPT_OSS_20B, QWEN3_30B_A3B
+from moe_lora_compile.shapes import GPT_OSS_20B
 
 CPU = torch.device("cpu")
 g = GPT_OSS_20B
@@ -45,14 +45,3 @@ def test_unknown_gpu_name_is_refused(set_switch, value):
     set_switch(settings.CONFIGS, value)
     with pytest.raises(ValueError, match=r"MOE_LORA_CONFIGS=.*NVIDIA_H200\.json"):
         moe(1)
-
-
-@pytest.mark.parametrize("geometry,T,split", [
-    (GPT_OSS_20B, 1, 23),  # decode: one K step of 128 a shrink program (2880 = 22 x 128 + 64)
-    (GPT_OSS_20B, 64, 23),  # the largest decode batch of the benchmarks, still <= 512 pairs
-    (GPT_OSS_20B, 512, 5),  # prefill-sized: at most 4 K steps a program (2880 // 512)
-    (QWEN3_30B_A3B, 1, 16),  # H = 2048: 16 steps; Qwen3 at 8 pairs
-])
-def test_heuristic_shrink_split(geometry, T, split):
-    cfg = configs.default_config(geometry.E, geometry.H, geometry.I, 32, T, geometry.k)
-    assert cfg.shrink.SPLIT_K == split

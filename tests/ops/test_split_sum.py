@@ -13,6 +13,7 @@ import torch
 from support.cases import MoECase
 from support.oracle import lora_linear_oracle, moe_lora_oracle
 
+from moe_lora_compile import settings
 from moe_lora_compile.ops.triton import launch
 from moe_lora_compile.ops.triton.configs import GemmConfig, LinearKernelConfig, MoEKernelConfig, ShrinkConfig
 from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton, split_chunk
@@ -28,6 +29,14 @@ CHUNKINGS = [
     pytest.param(512, 2, id="chunks-of-2"),          # three chunks, the last one with a single slice
     pytest.param(launch.SPLIT_SUM_ELEMS, 8, id="default"),  # one chunk of 8, slices 5..7 masked
 ]
+
+
+def test_split_chunk_switch(set_switch):
+    """MOE_LORA_SPLIT_CHUNK=0: one slice at a time everywhere (the A/B baseline)."""
+    set_switch(settings.SPLIT_CHUNK, "0")
+    assert split_chunk(23, 1, 32) == 1
+    set_switch(settings.SPLIT_CHUNK, None)
+    assert split_chunk(23, 1, 32) == 32
 
 
 def test_split_chunk_rule():

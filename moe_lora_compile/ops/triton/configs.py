@@ -321,7 +321,6 @@ def device_name(device: torch.device) -> str:
 
 
 PAIR_SHRINK_MAX_PAIRS = 512  # the heuristic's per-pair shrink: sorted mode up to this many (token, expert) pairs
-SHRINK_MAX_SPLITS = 32  # the heuristic's shrink slices at decode-sized batches (one K step of 128 each)
 
 
 def per_pair_shrink_applies(per_pair: bool, num_pairs: int) -> bool:
@@ -346,22 +345,14 @@ def _even_block_k(K: int) -> int:
 
 def default_config(E: int, H: int, I: int, R: int, T: int, k: int) -> MoEKernelConfig:
     """Heuristic config when no tuned entry exists: per-pair blocks for tiny batches, BLOCK_M grows with the
-    average number of pairs per expert, split-K for the shrink: one K step of 128 a program at decode-sized
-    batches (up to :data:`PAIR_SHRINK_MAX_PAIRS` pairs, at most :data:`SHRINK_MAX_SPLITS` slices), else at most 4
-    K steps a program. No split-K for the base GEMMs: on the H200 the tuner found none that paid at decode
-    (2026-12-03, BENCHMARKS.md)."""
+    average number of pairs per expert, split-K for the shrink when there are few blocks. No split-K for the base
+    GEMMs: on the H200 the tuner found none that paid at decode (2026-12-03, BENCHMARKS.md)."""
     pairs = T * k
     per_pair = pairs * pairs <= 2 * E
     per_expert = pairs / E
     block_m = 16 if per_pair or per_expert <= 16 else 32 if per_expert <= 64 else 64 if per_expert <= 256 else 128
     small = per_pair or per_expert <= 16
-    # At decode a shrink program's few K steps are a chain of HBM round trips over a handful of programs (GPT-OSS-20B
-    # at T=1: 4 pairs x 5 slices of 4-5 steps, 4.8 us a launch on the H100); the H200's tuner picked its largest
-    # choice, 16 slices, at T <= 128 for GPT-OSS-20B. The consumers load the slices a chunk at a time.
-    if pairs <= PAIR_SHRINK_MAX_PAIRS:
-        split_k = max(1, min(SHRINK_MAX_SPLITS, triton.cdiv(H, 128)))
-    else:
-        split_k = max(1, min(16, H // (4 * 128)))  # at most 4 K steps of 128 per shrink program
+    split_k = max(1, min(16, H // (4 * 128)))  # at most 4 K steps of 128 per shrink program
 
     def gemm(K: int) -> GemmConfig:
         return GemmConfig(BLOCK_N=64, BLOCK_K=_even_block_k(K), GROUP_SIZE_M=1 if small else 8, num_warps=4,

@@ -41,6 +41,7 @@ import torch
 import triton
 from torch import Tensor
 
+from ... import settings
 from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
@@ -79,8 +80,8 @@ SPLIT_SUM_ELEMS = 4096  # fp32 values of the shrink's slices a consumer program 
 def split_chunk(num_splits: int, rows: int, block_r: int) -> int:
     """The consumers' SPLIT_CHUNK (:func:`.moe_kernels.sum_split_slices`): all ``num_splits`` slices of a
     ``[rows, block_r]`` tile in one load (rounded up to a power of 2), fewer where that passes
-    :data:`SPLIT_SUM_ELEMS`; 1 (a slice at a time) for a single slice."""
-    if num_splits <= 1:
+    :data:`SPLIT_SUM_ELEMS`; 1 (a slice at a time) for a single slice or with ``MOE_LORA_SPLIT_CHUNK=0``."""
+    if num_splits <= 1 or not settings.SPLIT_CHUNK.enabled():
         return 1
     fit = max(1, SPLIT_SUM_ELEMS // (rows * block_r))
     return min(triton.next_power_of_2(num_splits), 1 << (fit.bit_length() - 1))
