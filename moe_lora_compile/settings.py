@@ -81,11 +81,7 @@ CONFIGS = Switch("MOE_LORA_CONFIGS", "auto",
                  "heuristics only: the baseline of a tuning A/B), or a GPU name whose tables to use (e.g. 'NVIDIA "
                  "H200' on a card that has none of its own; moe_lora_compile.ops.triton.configs.table_gpu)",
                  read_once=True)
-SPLIT_CHUNK = Switch("MOE_LORA_SPLIT_CHUNK", "1",
-                     "1 (default): the LoRA kernels sum the shrink's split-K slices a chunk at a time (one load of "
-                     "up to 32 slices); 0: one slice at a time, the form before 2026-12-05 (an A/B baseline; "
-                     "moe_lora_compile.ops.triton.launch.split_chunk)", read_once=True)
-SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK, CONFIGS, SPLIT_CHUNK)
+SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK, CONFIGS)
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",

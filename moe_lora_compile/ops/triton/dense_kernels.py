@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .moe_kernels import (_expert_gemm, _load_rank_vectors, _lora_expand, _swizzle, grid_dependency_sync,
-                          launch_dependents, load_slots, rank_load_masks, rank_mask, sum_split_slices)
+                          launch_dependents, load_slots, rank_load_masks, rank_mask)
 
 _COUNTER_TILE = tl.constexpr(128)
 
@@ -153,7 +153,7 @@ def lora_linear_kernel(
     GROUP_SIZE_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
     EXPAND_SLOTS: tl.constexpr = 1, ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 1,
-    num_slots=2147483647, SPLIT_CHUNK: tl.constexpr = 1,
+    num_slots=2147483647,
 ):
     """y[t] = x[t] W^T + B[l] s[t] (+ bias), ``l = token_lora[t]`` (no delta for ``-1``). Grid (grid_m * N tiles,
     SPLIT_K). x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k*stride_wk; B element (l, n, r) at
@@ -200,7 +200,7 @@ def lora_linear_kernel(
                                    BLOCK_R, RANK_BLOCKS)
     grid_dependency_sync(USE_PDL)  # now the shrink's rank vectors and zeroed counters are visible
     launch_dependents(USE_PDL)
-    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R, SPLIT_CHUNK)
+    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
     if EXPAND_SLOTS > 1:
         acc += _lora_expand_grouped(s, lora, has_lora, slots, b_first, b_ptr, stride_bl, b_offs, b_mask,
                                     ranks_ptr, R, rank_block, rank_stride, EXPAND_SLOTS, BLOCK_M, BLOCK_N, BLOCK_R,
@@ -255,7 +255,7 @@ def lora_gemv_kernel(
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, USE_SPLIT_K: tl.constexpr = False,
     PREFETCH: tl.constexpr = True, USE_PDL: tl.constexpr = 0, ranks_ptr=None, rank_block=1, rank_stride=0,
-    RANK_BLOCKS: tl.constexpr = 1, num_slots=2147483647, SPLIT_CHUNK: tl.constexpr = 1,
+    RANK_BLOCKS: tl.constexpr = 1, num_slots=2147483647,
 ):
     """``lora_linear_kernel``'s result for a handful of tokens (T <= BLOCK_T), as a GEMV: no ``tl.dot``, no 16-row
     padding. Grid (cdiv(N, BLOCK_N), split_k). Program (n, p) streams W [BLOCK_N, BLOCK_K] tiles of its columns
@@ -327,7 +327,9 @@ def lora_gemv_kernel(
             # s past a slot's rank is 0 (the shrink's A rows there are masked); B there may hold anything
             s_mask = has_lora[:, None] & (offs_r < R)[None, :]
             s_ptrs = s_ptr + offs_t.to(tl.int64)[:, None] * R + offs_r[None, :]
-            s = sum_split_slices(s_ptrs, s_mask, num_splits, split_stride, SPLIT_CHUNK)
+            s = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            for split in range(1, num_splits):
+                s += tl.load(s_ptrs + split * split_stride, mask=s_mask, other=0.0)
             load_r, keep_r = rank_load_masks(ranks_ptr, slot[:, None], offs_r[None, :], R, rank_block, rank_stride,
                                              RANK_BLOCKS)  # each token's slot, to its rank
             b_ptrs = (b_ptr + slot[:, None, None] * stride_bl + offs_n.to(tl.int64)[None, :, None] * stride_bn

@@ -41,7 +41,6 @@ import torch
 import triton
 from torch import Tensor
 
-from ... import settings
 from ..contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..layout import CONCAT, expert_geometry, in_out_strides, is_interleaved
 from . import dense_kernels as DK
@@ -72,19 +71,6 @@ def _tile(block: int, dim: int, mxfp4_scales: Optional[Tensor] = None) -> int:
 
 def _block_r(R: int) -> int:
     return max(16, triton.next_power_of_2(R))
-
-
-SPLIT_SUM_ELEMS = 4096  # fp32 values of the shrink's slices a consumer program loads at once (32 a thread, 4 warps)
-
-
-def split_chunk(num_splits: int, rows: int, block_r: int) -> int:
-    """The consumers' SPLIT_CHUNK (:func:`.moe_kernels.sum_split_slices`): all ``num_splits`` slices of a
-    ``[rows, block_r]`` tile in one load (rounded up to a power of 2), fewer where that passes
-    :data:`SPLIT_SUM_ELEMS`; 1 (a slice at a time) for a single slice or with ``MOE_LORA_SPLIT_CHUNK=0``."""
-    if num_splits <= 1 or not settings.SPLIT_CHUNK.enabled():
-        return 1
-    fit = max(1, SPLIT_SUM_ELEMS // (rows * block_r))
-    return min(triton.next_power_of_2(num_splits), 1 << (fit.bit_length() - 1))
 
 
 def _k_split(K_dim: int, block_k: int, split_k: int) -> tuple[int, int, bool]:
@@ -263,8 +249,7 @@ def fused_moe_lora_triton(
         EVEN_K=even_k13, EVEN_N=I % block_n == 0, DOT_PRECISION=dot_precision, FUSE_SHRINK2=fuse_shrink2,
         SPLIT_K=split13, WAIT_AFTER_MAIN_LOOP=cfg.w13_overlap, num_warps=c13.num_warps,
         num_stages=c13.num_stages, ranks_ptr=ranks13, rank_block=rank_block13, num_slots=L, num_experts=E,
-        ranks2_ptr=ranks2 if fuse_shrink2 else None, SPLIT_CHUNK=split_chunk(s13.shape[0], block_m, block_r),
-        **chain.next())
+        ranks2_ptr=ranks2 if fuse_shrink2 else None, **chain.next())
 
     if not fuse_shrink2:
         s2 = _launch_shrink(act, a2, weights_flat, token_lora_ids, meta, K_dim=I, R=R2, top_k=top_k, mode=mode,
@@ -284,7 +269,7 @@ def fused_moe_lora_triton(
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
         SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, ranks_ptr=ranks2, num_slots=L,
-        num_experts=E, SPLIT_CHUNK=split_chunk(s2.shape[0], block_m, block_r2), **chain.next())
+        num_experts=E, **chain.next())
     if not topk_sum and top_k > 1:
         torch.sum(rows2.view(T, top_k, H), dim=1, out=y)
     return y
@@ -382,7 +367,7 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
         DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k,
         EXPAND_SLOTS=_expand_slots(cfg, block_n, R, c.num_warps), num_warps=c.num_warps, num_stages=c.num_stages,
-        SPLIT_CHUNK=split_chunk(s.shape[0], cfg.BLOCK_M, _block_r(R)), **rank_args, **chain.next())
+        **rank_args, **chain.next())
     return out
 
 
@@ -420,8 +405,8 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
         counter_ptr=counters if split_k > 1 else None, T=T, K=n_in, N=n_out, R=R, split_k=split_k,
         k_per_split=k_per_split, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_R=_block_r(R), HAS_BIAS=bias is not None, EVEN_K=n_in % block_k == 0, EVEN_N=n_out % block_n == 0,
-        USE_SPLIT_K=split_k > 1, PREFETCH=c.num_stages >= 2, num_warps=c.num_warps, num_stages=1,
-        SPLIT_CHUNK=split_chunk(s.shape[0], triton.next_power_of_2(T), _block_r(R)), **rank_args, **chain.next())
+        USE_SPLIT_K=split_k > 1, PREFETCH=c.num_stages >= 2, num_warps=c.num_warps, num_stages=1, **rank_args,
+        **chain.next())
     return out
 
 
