@@ -107,10 +107,6 @@ def fused_moe_lora_reference(
     (Llama-4) the weight scales the expert's input instead of its output. ``lora_b13_split``: ``lora_b13`` is
     ``[L, E, 2I, R/2]``, the split gate/up form of :mod:`.contract`. ``lora_ranks`` [2, L] (w13, w2) or None: each
     slot's rank (see :mod:`.contract`).
-
-    Ids the op's checks refuse (they are off inside CUDA graphs and with ``MOE_LORA_CHECK_IDS=0``) read as the
-    kernels read them: a pair whose expert lies outside ``[0, E)`` adds nothing to ``y`` (no base GEMM, no LoRA,
-    no bias), never an out-of-bounds index.
     """
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -118,8 +114,6 @@ def fused_moe_lora_reference(
     acc = torch.float32 if x.dtype != torch.float64 else torch.float64
 
     experts = topk_ids.reshape(-1).long()  # [P], P = T*k, token-major
-    expert_ok = (experts >= 0) & (experts < w13.shape[0])
-    experts = torch.where(expert_ok, experts, 0)  # read expert 0's weights, dropped below
     lora_ids = token_lora_ids.long().unsqueeze(1).expand(T, k).reshape(-1)
     weights = topk_weights.to(acc).reshape(-1, 1)
     xp = x.to(acc).unsqueeze(1).expand(T, k, H).reshape(-1, H)  # [P, H]
@@ -142,7 +136,6 @@ def fused_moe_lora_reference(
         out = out + w2_bias[experts].to(acc)
     if not routing_weight_on_input:
         out = out * weights
-    out = torch.where(expert_ok.unsqueeze(-1), out, 0.0)
     return out.reshape(T, k, H).sum(dim=1).to(x.dtype)
 
 

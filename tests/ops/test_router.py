@@ -42,6 +42,13 @@ def _integers(shape, low, high, scale, generator):
     return torch.randint(low, high, shape, generator=generator).float() * scale
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel tests: the interpreter here, the GPU there
+
+
+def on_device(*tensors):
+    return tuple(None if t is None else t.to(DEVICE) for t in tensors)
+
+
 def make_inputs(T, E, H, *, bias=False, ties=False, scale=1.0, offset=None, neg_inf_bias=(), seed=0):
     """hidden [T, H], weight [E, H], bias [E] or None (float32). ``ties``: integer data, weight rows 0/2 and 1/3
     equal (exactly tied logits) and hidden row 0 all zero (every logit tied at the bias, or 0). ``scale``: logits'
@@ -101,15 +108,16 @@ def test_kernel_matches_float64_oracle(case):
     T, E, H, k, scoring, renormalize, options = case
     launch = {key: options.pop(key) for key in ("split_k", "block_k") if key in options}
     hidden, weight, bias = make_inputs(T, E, H, **options)
-    logits, scores, ids = route_triton(hidden, weight, bias, top_k=k, scoring=scoring, renormalize=renormalize,
-                                       scores_dtype=torch.float32, **launch)
+    logits, scores, ids = (t.cpu() for t in route_triton(*on_device(hidden, weight, bias), top_k=k, scoring=scoring,
+                                                          renormalize=renormalize, scores_dtype=torch.float32,
+                                                          **launch))
     ref_logits, ref_weights, ref_ids = route_oracle(hidden, weight, bias, k, scoring, renormalize)
     assert logits.dtype == torch.float32 and scores.dtype == torch.float32 and ids.dtype == torch.int64
     assert logits.shape == (T, E) and scores.shape == ids.shape == (T, k)
     torch.testing.assert_close(logits.to(F64), ref_logits, rtol=1e-5, atol=1e-5)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(scores.to(F64), ref_weights, rtol=1e-5, atol=1e-6)
-    assert router_launch._counters.all_clear(hidden.device), "arrival counters not reset"
+    assert router_launch._counters.all_clear(torch.empty(0, device=DEVICE).device), "arrival counters not reset"
 
 
 NAN, INF = float("nan"), float("inf")
@@ -162,8 +170,9 @@ def test_kernel_non_finite_logits(case):
     T, E, H, k, scoring, renormalize, poke, bias = case
     hidden, weight, b = make_inputs(T, E, H, bias=bias)
     _poke_hostile(hidden, b, poke)
-    logits, scores, ids = route_triton(hidden, weight, b, top_k=k, scoring=scoring, renormalize=renormalize,
-                                       scores_dtype=torch.float32, split_k=2 if poke == "neg_inf_entry" else None)
+    logits, scores, ids = (t.cpu() for t in route_triton(*on_device(hidden, weight, b), top_k=k, scoring=scoring,
+                                                          renormalize=renormalize, scores_dtype=torch.float32,
+                                                          split_k=2 if poke == "neg_inf_entry" else None))
     ref_logits, ref_weights, ref_ids = route_oracle(hidden, weight, b, k, scoring, renormalize)
     assert ((ids >= 0) & (ids < E)).all(), ids
     assert torch.equal(ids, ref_ids)
@@ -173,7 +182,7 @@ def test_kernel_non_finite_logits(case):
     _, aten_scores, aten_ids = route_reference(hidden, weight, b, top_k=k, scoring=scoring, renormalize=renormalize)
     torch.testing.assert_close(scores, aten_scores, rtol=1e-5, atol=1e-6, equal_nan=True)
     assert ((aten_ids >= 0) & (aten_ids < E)).all()
-    assert router_launch._counters.all_clear(hidden.device), "arrival counters not reset"
+    assert router_launch._counters.all_clear(torch.empty(0, device=DEVICE).device), "arrival counters not reset"
 
 
 def test_kernel_empty_batch():

@@ -15,7 +15,6 @@ import torch
 from support.cases import MoECase
 from support.oracle import lora_linear_oracle, moe_lora_oracle
 
-from moe_lora_compile.ops.reference import fused_moe_lora_reference
 from moe_lora_compile.ops.triton.configs import GemmConfig, MoEKernelConfig, ShrinkConfig
 from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton
 from moe_lora_compile.ops.triton.routing import max_blocks, sort_pairs
@@ -250,7 +249,7 @@ def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad
     """Expert ids outside [0, E) that skip the op's checks (off inside CUDA graphs, MOE_LORA_CHECK_IDS=0): such a
     pair adds nothing (no base GEMM, no LoRA, no bias), whatever path. Before, the kernels indexed the weights and
     stacks with the id (per-pair: reads past W13/W2; sorted: an out-of-bounds atomic into the routing's counters)
-    and -1 read the last expert. The reference (the CPU impl, reached only with checks off) reads them the same."""
+    and -1 read the last expert. (The op's CPU impl always refuses such ids: its checks run on the host.)"""
     args, kwargs = case.make(DEVICE)
     args = list(args)
     ids = args[1].clone()
@@ -264,9 +263,6 @@ def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad
     torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-4)
     whole = bad.all(dim=1)  # tokens with every pair out of range: exactly zero
     assert torch.equal(y.cpu()[whole], torch.zeros_like(y.cpu()[whole]))
-    ref = fused_moe_lora_reference(*(t.cpu() for t in args), **{k: v.cpu() if torch.is_tensor(v) else v
-                                                               for k, v in kwargs.items()})
-    torch.testing.assert_close(ref.double(), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])
