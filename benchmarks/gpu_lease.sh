@@ -29,7 +29,10 @@ step() {  # step NAME SECONDS CMD...: run with a time limit (capped by what the 
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
   python3 -c "import torch, triton, transformers, peft; print('torch', torch.__version__, 'triton', triton.__version__, \
-'transformers', transformers.__version__, 'peft', peft.__version__)"; git log --oneline -1 2>/dev/null; } \
+'transformers', transformers.__version__, 'peft', peft.__version__)"; git log --oneline -1 2>/dev/null
+  # the device's copy of .git can lag its working tree (2026-12-05: it named 79f0b4c for a later tree): name the
+  # files too (compare with the same line run here: git ls-files -z moe_lora_compile | xargs -0 cat | sha1sum)
+  echo "moe_lora_compile files sha1 $(git ls-files -z moe_lora_compile 2>/dev/null | xargs -0 cat | sha1sum | cut -c1-12)"; } \
   > "$W/env.txt" 2>&1
 cat "$W/env.txt"
 
