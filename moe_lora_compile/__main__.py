@@ -306,6 +306,8 @@ def _device_error(device: Optional[str]) -> Optional[str]:
 
 def _folder_error(folder: str) -> Optional[str]:
     """Why the dump cannot be written into ``folder`` (one line), or None: checked before the model is built."""
+    if not folder.strip():
+        return "the dump folder's name is empty"
     path = os.path.abspath(folder)
     while not os.path.exists(path):  # the nearest existing ancestor must be a writable folder
         path = os.path.dirname(path)

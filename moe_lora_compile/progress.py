@@ -13,9 +13,8 @@ from . import settings
 
 
 def enabled() -> bool:
-    setting = settings.PROGRESS.value()
-    if setting in ("0", "1"):
-        return setting == "1"
+    if settings.PROGRESS.value().strip():  # set: an on or off word (a ValueError naming the variable otherwise)
+        return settings.PROGRESS.enabled()
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):  # replaced or closed stderr

@@ -1,10 +1,11 @@
 """Every environment switch of moe_lora_compile, in one place: its name, default and meaning.
 
 Switches read on the hot path (every kernel launch or op call: ``MOE_LORA_PDL``, ``MOE_LORA_CHECK_IDS``,
-``TRITON_INTERPRET``) are read once, at their first use, and kept (``read_once``); :func:`reload` forgets what was
-read (tests that change them call it). ``MOE_LORA_PASS_LOG`` is read once too, when :mod:`moe_lora_compile.passes`
-is imported (it sets up the pass's logger). The others are read where they act, at call time. Imports nothing heavy
-(the CLI reads it before torch is loaded).
+``MOE_LORA_PAIR_SHRINK``, ``MOE_LORA_CONFIGS``, ``TRITON_INTERPRET``) are read once, at their first use, and kept
+(``read_once``); :func:`reload` forgets what was read (tests that change them call it). ``MOE_LORA_PASS_LOG`` is read
+once too, when :mod:`moe_lora_compile.passes` is imported (it sets up the pass's logger: set it before that import).
+The others are read where they act, at call time. An on/off switch set to a word that is neither is refused, naming
+the variable (:meth:`Switch.enabled`). Imports nothing heavy (the CLI reads it before torch is loaded).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 _OFF = ("", "0", "false", "off", "no")
+_ON = ("1", "true", "on", "yes")
 
 
 _READ: dict[str, Optional[str]] = {}  # read_once switches: name -> value at first use (None: unset)
@@ -27,12 +29,14 @@ def reload() -> None:
 @dataclass(frozen=True)
 class Switch:
     """One environment variable: ``name``, the value used when it is unset (``default``), what it does (``doc``);
-    ``read_once``: read at first use and kept (hot-path switches)."""
+    ``read_once``: read at first use and kept (hot-path switches); ``strict``: :meth:`enabled` refuses a value that
+    is neither an on nor an off word (a typo must not turn a switch on; False for Triton's own variable)."""
 
     name: str
     default: str
     doc: str
     read_once: bool = False
+    strict: bool = True
 
     def raw(self) -> Optional[str]:
         """The variable's value, or None when it is unset."""
@@ -47,8 +51,15 @@ class Switch:
         return self.default if raw is None else raw
 
     def enabled(self) -> bool:
-        """False for ``0``, ``false``, ``off``, ``no`` or empty (case-insensitive), True for anything else."""
-        return self.value().strip().lower() not in _OFF
+        """False for ``0``, ``false``, ``off``, ``no`` or empty, True for ``1``, ``true``, ``on``, ``yes``
+        (case-insensitive); anything else is a ValueError naming the variable (True, if not ``strict``)."""
+        value = self.value().strip().lower()
+        if value in _OFF:
+            return False
+        if value in _ON or not self.strict:
+            return True
+        raise ValueError(f"{self.name}={self.raw()!r}: use 1, true, on or yes, or 0, false, off or no "
+                         f"(unset: {self.default!r})")
 
 
 PDL = Switch("MOE_LORA_PDL", "late",
@@ -85,4 +96,4 @@ SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_S
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",
-                          read_once=True)
+                          read_once=True, strict=False)

@@ -53,6 +53,7 @@ def test_bad_values_are_one_line_before_any_work(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     _one_error_line(_run("-m", "moe_lora_compile", "dump", str(blocker / "dump")), "is a file, not a folder")
+    _one_error_line(_run("-m", "moe_lora_compile", "dump", ""), "name is empty")  # (read as the current folder)
     tune = ("-m", "moe_lora_compile", "tune", "--model", "qwen3-30b-a3b")
     _one_error_line(_run(*tune, "--tokens", "-1"), "--tokens", "must be >= 1")
     _one_error_line(_run(*tune, "--out", str(blocker / "t.json")), "--out", "not a writable folder")

@@ -470,13 +470,18 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     for arg, value in (("max_loras", max_loras), ("max_rank", max_rank), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    for arg, value in (("fuse_qkv", fuse_qkv), ("fused_router", fused_router)):
+    for arg, value in (("fuse_qkv", fuse_qkv), ("fused_router", fused_router), ("use_ops", use_ops)):
         if not isinstance(value, bool):
             raise TypeError(f"{arg} must be a bool, got {value!r}")
+    if target_modules is not None and (isinstance(target_modules, (str, bytes))
+                                       or not all(isinstance(t, str) for t in target_modules)):
+        raise TypeError(f"target_modules must be a list of leaf names such as ['q_proj', 'v_proj'], got "
+                        f"{target_modules!r}")
     groups = _fusion_groups(fuse) + (("qkv",) if fuse_qkv else ())
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
     family = family_for(model)
+    find_dense_targets(model, family, target_modules)  # unknown names refused before the model is touched
     model.requires_grad_(False)
     return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
                           use_ops=use_ops, target_modules=target_modules,

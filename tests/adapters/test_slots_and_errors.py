@@ -356,6 +356,29 @@ def test_bad_attach_arguments(adapters, kwargs, message):
         attach(copy.deepcopy(adapters["base"]), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(target_modules="q_proj"), "target_modules must be a list of leaf names"),  # a bare string (was read as
+                                                                                    # its letters)
+    (dict(target_modules=[1]), "target_modules must be a list of leaf names"),       # not names
+    (dict(use_ops="yes"), "use_ops must be a bool"),                                 # a truthy non-bool
+])
+def test_bad_attach_argument_types(adapters, kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        attach(copy.deepcopy(adapters["base"]), **kwargs)
+
+
+def test_refused_attach_leaves_the_model_as_it_was(adapters):
+    """An unknown target is refused before the model is touched: its parameters stay trainable and its experts on
+    transformers' implementation (before, both were changed by the failed call)."""
+    model = copy.deepcopy(adapters["base"])
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    experts_impl = getattr(model.config, "_experts_implementation", None)
+    with pytest.raises(ValueError, match="not dense LoRA targets"):
+        attach(model, target_modules=["nope_proj"])
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+    assert getattr(model.config, "_experts_implementation", None) == experts_impl
+
+
 def test_attach_twice_is_an_error(mm):
     with pytest.raises(ValueError, match="already attached"):
         attach(mm.model)

@@ -354,7 +354,7 @@ def test_pdl_switches(set_switch):
     set_switch(settings.PDL, None)
     assert tuned("early") == pdl.PDL_EARLY
     set_switch(settings.PDL, "sometimes")
-    with pytest.raises(ValueError, match="PDL setting"):
+    with pytest.raises(ValueError, match="MOE_LORA_PDL='sometimes'"):
         caller(None)
     with pytest.raises(ValueError, match="PDL setting"):  # a bad config value fails when the config is made
         tiny_config(True).replace(pdl="sometimes")

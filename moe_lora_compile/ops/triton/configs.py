@@ -250,8 +250,11 @@ def requested_pdl(config_pdl: PdlSetting, *, passed_by_caller: bool) -> int:
     env = settings.PDL.raw()
     if passed_by_caller and config_pdl is not None:
         return parse_pdl(config_pdl)
-    if env is not None:
-        return parse_pdl(env)
+    if env is not None and env.strip():  # (set but empty: as unset)
+        try:
+            return parse_pdl(env)
+        except ValueError:
+            raise ValueError(f"{settings.PDL.name}={env!r}: use one of {sorted(_PDL_VALUES)}") from None
     if config_pdl is not None:
         return parse_pdl(config_pdl)
     return PDL_LATE
@@ -303,7 +306,7 @@ def table_gpu(device: torch.device) -> Optional[str]:
     value = settings.CONFIGS.value().strip()
     if value.lower() in ("", "auto"):
         return device_name(device)
-    if not settings.CONFIGS.enabled():
+    if value.lower() in ("0", "false", "off", "no"):
         return None
     if not any((CONFIG_DIR / f(value)).exists() for f in (gpu_file_name, linear_file_name)):
         have = sorted(p.name for p in CONFIG_DIR.glob("*.json"))

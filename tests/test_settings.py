@@ -1,0 +1,60 @@
+"""The environment switches (:mod:`moe_lora_compile.settings`): on and off words, a typo refused naming the
+variable (it must not turn a switch on), Triton's own variable read as Triton reads it, ``MOE_LORA_PDL`` and
+``MOE_LORA_PROGRESS`` through the same rules."""
+
+import pytest
+
+from moe_lora_compile import progress, settings
+from moe_lora_compile.ops.triton.configs import PDL_EARLY, PDL_LATE, PDL_OFF, requested_pdl
+
+
+@pytest.mark.parametrize("value,on", [
+    (None, False),     # unset: the default (0)
+    ("", False),       # set but empty: off
+    ("1", True), ("yes", True), (" ON ", True), ("True", True),  # on words, any case, spaces
+    ("0", False), ("no", False), ("Off", False), ("false", False),  # off words
+])
+def test_on_and_off_words(set_switch, value, on):
+    set_switch(settings.PAIR_SHRINK, value)
+    assert settings.PAIR_SHRINK.enabled() is on
+
+
+@pytest.mark.parametrize("switch", [settings.PAIR_SHRINK, settings.CHECK_IDS, settings.PASS_LOG])
+def test_a_typo_is_refused_naming_the_variable(set_switch, switch):
+    set_switch(switch, "banana")
+    with pytest.raises(ValueError, match=f"{switch.name}='banana'"):
+        switch.enabled()
+
+
+def test_triton_interpret_reads_as_triton_does(set_switch):
+    set_switch(settings.TRITON_INTERPRET, "anything")  # not ours: any non-off value is on
+    assert settings.TRITON_INTERPRET.enabled()
+
+
+@pytest.mark.parametrize("value,mode", [
+    (None, PDL_LATE),    # unset: late
+    ("", PDL_LATE),      # set but empty: as unset
+    ("0", PDL_OFF), ("early", PDL_EARLY),
+])
+def test_pdl_variable(set_switch, value, mode):
+    set_switch(settings.PDL, value)
+    assert requested_pdl(None, passed_by_caller=False) == mode
+
+
+def test_pdl_typo_names_the_variable(set_switch):
+    set_switch(settings.PDL, "banana")
+    with pytest.raises(ValueError, match="MOE_LORA_PDL='banana'"):
+        requested_pdl(None, passed_by_caller=False)
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("on", True), ("true", True), ("0", False), ("off", False),
+                                      ("false", False)])  # every on/off word, not only 1 and 0
+def test_progress_words(set_switch, value, on):
+    set_switch(settings.PROGRESS, value)
+    assert progress.enabled() is on
+
+
+def test_progress_typo_is_refused(set_switch):
+    set_switch(settings.PROGRESS, "loud")
+    with pytest.raises(ValueError, match="MOE_LORA_PROGRESS='loud'"):
+        progress.enabled()
