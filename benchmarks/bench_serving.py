@@ -395,6 +395,8 @@ def _outputs_error(args) -> str | None:
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             return f"{flag} {path}: {folder} is not a writable folder"
+        if os.path.isdir(path):  # (it was written after the whole run, and failed then)
+            return f"{flag} {path}: a folder, not a file name"
     if args.png is not None:
         import importlib.util
 

@@ -208,8 +208,12 @@ def run_dump(folder: str, family: str = "qwen3_moe", *, dtype: str = "float32", 
     return report
 
 
-def int_at_least(low: int, why: str = ""):
-    """argparse type: an int >= ``low`` (else the one-line usage error, with ``why`` after the bound)."""
+DEMO_MAX = 4096  # --batch / --seq-len of the demo: past this a typo, not a demo (2**70 failed deep in torch)
+
+
+def int_at_least(low: int, why: str = "", high: Optional[int] = None):
+    """argparse type: an int >= ``low`` (else the one-line usage error, with ``why`` after the bound) and, with
+    ``high``, <= ``high``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -217,6 +221,8 @@ def int_at_least(low: int, why: str = ""):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}{f' ({why})' if why else ''}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high} (the demo's tiny model), got {value}")
         return value
     return parse
 
@@ -246,10 +252,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="progress lines on stderr even when it is not a terminal (MOE_LORA_PROGRESS=1)")
         if name == "demo":
             p.add_argument("--batch", type=int_at_least(3, "the recompile checks need another batch size and "
-                                                        "another adapter mix"), default=4,
+                                                        "another adapter mix", high=DEMO_MAX), default=4,
                            help="sequences in the mixed batch, adapters assigned round-robin (default 4; the "
                                 "recompile checks need >= 3: another batch size, another adapter mix)")
-            p.add_argument("--seq-len", type=positive_int, default=8, help="tokens per sequence (default 8)")
+            p.add_argument("--seq-len", type=int_at_least(1, high=DEMO_MAX), default=8,
+                           help=f"tokens per sequence (default 8, at most {DEMO_MAX})")
             p.add_argument("--skip-peft", action="store_true",
                            help="skip the second section (a plain PEFT model compiled with the pass)")
         else:

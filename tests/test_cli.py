@@ -48,6 +48,8 @@ def test_bad_values_are_one_line_before_any_work(tmp_path):
     demo = ("-m", "moe_lora_compile", "demo")
     _one_error_line(_run(*demo, "--batch", "-3"), "--batch", "must be >= 3")
     _one_error_line(_run(*demo, "--seq-len", "0"), "--seq-len", "must be >= 1")
+    _one_error_line(_run(*demo, "--batch", str(2 ** 70)), "--batch", "must be <= 4096")  # a torch overflow after
+                                                                                         # the build
     _one_error_line(_run(*demo, "--batch", "2"), "--batch", "must be >= 3 (the recompile checks")
     _one_error_line(_run(*demo, "--device", "meta"), "--device meta", "cpu or cuda")
     blocker = tmp_path / "a_file"

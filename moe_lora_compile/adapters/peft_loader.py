@@ -215,6 +215,11 @@ _BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
 def _read_adapter_config(path: str) -> AdapterConfig:
     config_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isfile(config_path):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"path: adapter folder {path!r} does not exist")
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"path: {path!r} is a file, not an adapter folder (give the folder that holds "
+                                    f"{CONFIG_NAME})")
         raise FileNotFoundError(f"path: no {CONFIG_NAME} in adapter folder {path!r}")
     try:
         with open(config_path) as f:

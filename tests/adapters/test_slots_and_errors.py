@@ -105,7 +105,10 @@ def _drop(needle):
 
 BAD_FOLDERS = [
     # (id, how to build the folder from x's, error type, message fragment)
-    ("missing_folder", lambda a, d: d, FileNotFoundError, "no adapter_config.json"),
+    ("missing_folder", lambda a, d: d, FileNotFoundError, "adapter folder .* does not exist"),
+    ("empty_folder", lambda a, d: (d.mkdir(), d)[1], FileNotFoundError, "no adapter_config.json"),
+    ("config_file_given", lambda a, d: _copy_with(a["paths"]["x"], d) / "adapter_config.json", FileNotFoundError,
+     "is a file, not an adapter folder"),  # the config file's path instead of its folder
     ("missing_weights", lambda a, d: (_copy_with(a["paths"]["x"], d),
                                       os.remove(d / "adapter_model.safetensors"))[0],
      FileNotFoundError, "no adapter_model.safetensors"),

@@ -49,6 +49,7 @@ def test_serve_bench_bad_options_are_one_line(tmp_path, capsys):
                          (["--tiny", "--jitter", "1.5"], "--jitter"),
                          (["--tiny", "--model", "qwen3-30b-a3b"], "--model qwen3-30b-a3b"),
                          (["--tiny", "--json", str(tmp_path / "no" / "x.json")], "not a writable folder"),
+                         (["--tiny", "--md", str(tmp_path)], "a folder, not a file name"),  # failed after the run
                          # fewer slots than resident adapters: the rate calibration spun forever (--slots 1), or
                          # lora8 ended in a NoFreeSlot traceback
                          (["--tiny", "--slots", "2"], "--slots 2 < --resident 4"),
