@@ -44,7 +44,10 @@ render_decode() {
 
 case $CALL in
 tests)
-  if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-8}" --dist load); else XDIST=(); fi
+  # workers: 8 by default, 4 on a card under 100 GB (14 ran out of memory on the H100's 80 GB, 2026-12-05; 4 passed)
+  MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  DEF_WORKERS=8; [ -n "$MEM_MB" ] && [ "$MEM_MB" -lt 100000 ] && DEF_WORKERS=4
+  if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-$DEF_WORKERS}" --dist load); else XDIST=(); fi
   step gpu_tests "${TESTS_LIMIT:-390}" env TORCHINDUCTOR_COMPILE_THREADS="${COMPILE_THREADS:-2}" python3 -m pytest -m gpu -v -p no:cacheprovider -rfE \
     "${XDIST[@]}" --durations=15 tests
   tail -25 "$W/gpu_tests.log"
