@@ -44,7 +44,9 @@ render_decode() {
 
 case $CALL in
 tests)
-  # workers: 8 by default, 4 on a card under 100 GB (14 ran out of memory on the H100's 80 GB, 2026-12-05; 4 passed)
+  # workers: 8 by default, 4 on a card under 100 GB (14 ran out of memory on the H100's 80 GB, 2026-12-05; 4 passed
+  # the 35 that failed, in 354 s). Untimed: 8 on the H100, and the whole suite at 4 workers, which likely needs
+  # two calls there (split the test paths with pytest arguments of your own)
   MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   DEF_WORKERS=8; [ -n "$MEM_MB" ] && [ "$MEM_MB" -lt 100000 ] && DEF_WORKERS=4
   if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-$DEF_WORKERS}" --dist load); else XDIST=(); fi
