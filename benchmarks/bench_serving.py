@@ -131,9 +131,20 @@ def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, ad
     engine.generate_many([Request(ids(prompt), adapter=adapters[0], max_new_tokens=1, eos_token_ids=())])
     sync(engine.device)
     t_prefill = time.perf_counter() - t0
-    steps = 16
-    handles = [engine.submit(ids(8), adapter=adapters[i % len(adapters)], max_new_tokens=steps + 4, eos_token_ids=())
-               for i in range(rows)]
+    steps, prompt_len = 16, 8
+    # room for every row's prefill before the first row ends: with a prefill chunk under the rows' prompt tokens,
+    # the rows are admitted over several steps (the last one after up to rows * prompt_len of them, at chunk 1)
+    admit_steps = -(-rows * prompt_len // engine.graphs.prefill_chunk)
+    new_tokens = steps + max(4, admit_steps + 1)
+    room = engine.graphs.max_cache_len - prompt_len - steps  # the most admission steps the rows' cache leaves
+    if prompt_len + new_tokens - 1 > engine.graphs.max_cache_len:
+        least = f"a --prefill-chunk of at least {-(-rows * prompt_len // room)}" if room > 0 else "a longer --new"
+        raise RuntimeError(f"rate calibration: a prefill chunk of {engine.graphs.prefill_chunk} tokens admits "
+                           f"{rows} rows of {prompt_len}-token prompts over {admit_steps} steps, and the first "
+                           f"rows' cache ({engine.graphs.max_cache_len} slots) ends before the last row is in: "
+                           f"pass --rates, or {least}")
+    handles = [engine.submit(ids(prompt_len), adapter=adapters[i % len(adapters)], max_new_tokens=new_tokens,
+                             eos_token_ids=()) for i in range(rows)]
     while engine.num_running < rows:  # every row admitted, prefilled and decoding
         if not engine.step():
             raise RuntimeError(f"rate calibration: {engine.num_running} of {rows} rows ever decoded at once "
@@ -145,7 +156,9 @@ def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, ad
     sync(engine.device)
     t_step = (time.perf_counter() - t0) / steps
     for h in handles:
-        h.result()
+        h.cancel()
+    while engine.step():  # the cancelled rows leave
+        pass
     rate = 1.0 / (t_prefill + new * t_step / rows)
     return rate, dict(t_prefill_ms=1e3 * t_prefill, t_step_ms=1e3 * t_step, saturation_rps=rate)
 

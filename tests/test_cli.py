@@ -59,6 +59,8 @@ def test_bad_values_are_one_line_before_any_work(tmp_path):
     tune = ("-m", "moe_lora_compile", "tune", "--model", "qwen3-30b-a3b")
     _one_error_line(_run(*tune, "--tokens", "-1"), "--tokens", "must be >= 1")
     _one_error_line(_run(*tune, "--out", str(blocker / "t.json")), "--out", "not a writable folder")
+    _one_error_line(_run(*tune, "--out", str(tmp_path)), "--out", "a folder; name the JSON file")  # (was: an
+                                                                             # IsADirectoryError after tuning)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -101,3 +101,15 @@ def test_serve_bench_loads_need_three_rates(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["serve-bench", "--tiny", "--rates", "1", "2", "--loads", "over"])
     assert exited.value.code == 2 and "three rates" in capsys.readouterr().err
+
+
+def test_serve_bench_calibration_with_a_small_prefill_chunk(tmp_path):
+    """The rate calibration admits its rows over several steps when the prefill chunk is small: the rows' token
+    budget covers that (before, --prefill-chunk 4 ended in "fewer adapter slots than distinct adapters", which
+    was not the cause); where the workload's cache cannot cover it, the error names the prefill chunk that can."""
+    out = str(tmp_path / "chunk.json")
+    assert main(["serve-bench", "--tiny", "--prefill-chunk", "8", "--configs", "no_lora", "--json", out]) == 0
+    (calibration,) = [r for r in json.load(open(out)) if r["kind"] == "calibration"]
+    assert calibration["saturation_rps"] > 0
+    with pytest.raises(RuntimeError, match=r"prefill chunk of 1 tokens admits 4 rows .* --prefill-chunk of at least 8"):
+        main(["serve-bench", "--tiny", "--prefill-chunk", "1", "--configs", "no_lora"])

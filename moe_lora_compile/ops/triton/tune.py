@@ -183,6 +183,8 @@ def main(argv=None):
         p.error(f"--budget-s must be > 0, got {a.budget_s}")
     if a.out is not None:  # written after the first shape is tuned: an unusable path would cost that time
         folder = os.path.dirname(os.path.abspath(a.out))
+        if os.path.isdir(a.out):
+            p.error(f"--out {a.out}: a folder; name the JSON file to merge into (e.g. {os.path.join(a.out, 'x.json')})")
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             p.error(f"--out {a.out}: {folder} is not a writable folder")
     groups = tuple(a.groups or (MXFP4_GROUPS if a.mxfp4 else GROUPS))
