@@ -81,10 +81,10 @@ VLLM = Switch("MOE_LORA_VLLM", "0",
               "through fused_moe_lora; listing moe_lora_compile in VLLM_PLUGINS does the same; unset: installing "
               "the package changes no vLLM deployment")
 
-PAIR_SHRINK = Switch("MOE_LORA_PAIR_SHRINK", "0",
-                     "1: the fused MoE op's LoRA shrinks run one program per (token, expert) pair in sorted mode up "
-                     "to 512 pairs (decode batches) where a config does not say otherwise; 0 (default until it is "
-                     "measured on a GPU): the block shrink (moe_lora_compile.ops.triton.configs.default_per_pair_shrink)",
+PAIR_SHRINK = Switch("MOE_LORA_PAIR_SHRINK", "1",
+                     "1 (default): the fused MoE op's LoRA shrinks run one program per (token, expert) pair in sorted "
+                     "mode up to 512 pairs (decode batches) where a config does not say otherwise; 0: the block "
+                     "shrink there (moe_lora_compile.ops.triton.configs.default_per_pair_shrink)",
                      read_once=True)
 CONFIGS = Switch("MOE_LORA_CONFIGS", "auto",
                  "which tuned kernel-config tables the Triton ops read: auto (default: this GPU's, "

@@ -9,7 +9,7 @@ from moe_lora_compile.ops.triton.configs import PDL_EARLY, PDL_LATE, PDL_OFF, re
 
 
 @pytest.mark.parametrize("value,on", [
-    (None, False),     # unset: the default (0)
+    (None, True),      # unset: the default (1)
     ("", False),       # set but empty: off
     ("1", True), ("yes", True), (" ON ", True), ("True", True),  # on words, any case, spaces
     ("0", False), ("no", False), ("Off", False), ("false", False),  # off words

@@ -74,6 +74,10 @@ KERNEL_CASES = [
     # position 0: only slot 0 seen (one block live of many), with and without sinks
     pytest.param((1, 4, 1, 1, 16, 64, [0], dict(block_n=16, num_splits=4)), id="first-token"),
     pytest.param((1, 4, 1, 1, 16, 64, [0], dict(sinks=True, block_n=16, num_splits=4)), id="first-token-sinks"),
+    # 11 splits (an odd count, padded to 16 in the m/l tile), rows at different positions, sinks
+    pytest.param((2, 8, 2, 1, 16, 176, [170, 90], dict(sinks=True, block_n=16, num_splits=11)), id="11-splits"),
+    # sliding window of 20 over 11 splits: most splits see nothing (max -inf, sum 0: weight 0 in the combine)
+    pytest.param((1, 8, 1, 3, 16, 176, [100], dict(window=20, block_n=16, num_splits=11)), id="11-splits-window"),
 ]
 
 

@@ -100,6 +100,8 @@ KERNEL_CASES = [
     pytest.param((4, 8, 32, 3, "topk_sigmoid", False, dict(scale=1e3)), id="large-logits-sigmoid"),
     # Qwen2-MoE's E=60 (four 16-wide E blocks, the last one part padding)
     pytest.param((2, 60, 32, 4, "softmax_topk", False, dict()), id="E60"),
+    # 11 H slices summed by the last program; T=18 spans two token blocks
+    pytest.param((18, 12, 176, 3, "softmax_topk", True, dict(split_k=11, block_k=16)), id="11-slices-two-blocks"),
 ]
 
 

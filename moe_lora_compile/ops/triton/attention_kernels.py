@@ -13,6 +13,13 @@ int32 counter (acq_rel atomic, as :mod:`.router_kernels`) combines them in split
 per-head sink logit into the denominator (GPT-OSS: ``softmax([scores, sink])`` without the sink column), writes
 ``out [B, S, H, D]`` and resets its counter to zero. A row whose every slot is masked gets zeros (transformers'
 eager attention would average the values uniformly there; a decode step never has such a row).
+
+Measured and not kept (H100, 2026-12-05, ``benchmarks/bench_decode_kernels.py``): loading the partial outputs of
+several splits at once in the combine (``[chunk, BLOCK_M, BLOCK_D]``, summed over the chunk) instead of one split a
+load: GPT-OSS-20B at batch 1 12.7 -> 11.2 us, but batch 8 9.6 -> 12.7 us and Qwen3-30B-A3B at batch 1 13.6 ->
+20.6 us (the 3-D tile's reduction converts layouts every chunk). This kernel in the whole step of GPT-OSS-20B
+(same H100, ``bench_decode.py --attention triton`` against ``default``, no adapters): batch 1 3.89 against 3.85 ms,
+batch 8 10.81 against 10.98 ms, so ``DecodeGraphs`` keeps the model's own attention by default.
 """
 
 from __future__ import annotations
