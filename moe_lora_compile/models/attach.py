@@ -438,7 +438,9 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
 
     Routes its MoE experts through our experts implementation and wraps its dense LoRA targets (the family's
     attention / MLP / shared-expert linears, or the leaf names in ``target_modules``) with slot buffers of
-    ``max_loras`` adapters of rank up to ``max_rank``. By default (``use_ops=True``) they call
+    ``max_loras`` adapters of rank up to ``max_rank``; ``max_tokens``: the length of the per-token adapter-id buffers,
+    the most tokens one forward takes without reallocating them (see the module docstring: size it for the largest
+    batch when compiled code or CUDA graphs are in use). By default (``use_ops=True``) they call
     ``torch.ops.moe_lora.*`` directly: the Triton kernels on CUDA, eager or compiled (the ops are opaque to
     ``torch.compile``, no pass needed), the reference impls on the CPU. ``use_ops=False`` emits the plain-PyTorch
     references (``moe_lora_compile.ops.reference``, the definition of correctness) instead, which the compile pass

@@ -256,7 +256,10 @@ def fused_moe_lora(
     ``layout`` (see :mod:`.layout`); lora_a13 [L,E,R,H], lora_b13 [L,E,2I,R] (``lora_b13_split``: [L,E,2I,R/2],
     gate rows on ranks [0,R/2), up rows on [R/2,R)), lora_a2 [L,E,R2,I], lora_b2 [L,E,H,R2] (scaling folded into
     B); lora_ranks [2, L] int or None: each slot's w13 and w2 rank (entries past it are never read; None = all R).
-    Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype and device) ``y`` is written
+    w13_bias [E, 2I] / w2_bias [E, H] or None (GPT-OSS); ``activation`` "silu" (silu(gate) * up) or
+    "gptoss_swiglu" (GPT-OSS: gate clamped to ``limit``, up to [-limit, limit], (up + 1) * gate * sigmoid(``alpha``
+    * gate)); ``routing_weight_on_input`` (Llama-4): each pair's input is scaled by its routing weight before w13
+    instead of its output after w2. Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype and device) ``y`` is written
     there and ``out`` returned (``torch.ops.moe_lora.fused_moe_lora_out``, inference only: no autograd).
     """
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, lora_ranks=lora_ranks, layout=layout, activation=activation,
