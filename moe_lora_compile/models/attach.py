@@ -201,8 +201,9 @@ class MultiLoRAModel(nn.Module):
         """Load the PEFT adapter folder ``path`` as ``name``; returns its slot.
 
         ``replace=True`` hot-swaps an adapter already loaded under ``name`` (same slot, in place), and loads a name
-        not loaded yet into a free slot, as a plain load does; without it a taken name is a ValueError. The adapter is validated completely, in the slot buffers' dtype, before any slot
-        buffer is written, so a failing load leaves every loaded adapter intact.
+        not loaded yet into a free slot, as a plain load does; without it a taken name is a ValueError. The adapter
+        is validated completely, in the slot buffers' dtype, before any slot buffer is written, so a failing load
+        leaves every loaded adapter intact.
         """
         self._check_name(name, replace)
         if name not in self.slots.names:

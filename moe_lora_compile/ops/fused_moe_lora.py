@@ -259,8 +259,8 @@ def fused_moe_lora(
     w13_bias [E, 2I] / w2_bias [E, H] or None (GPT-OSS); ``activation`` "silu" (silu(gate) * up) or
     "gptoss_swiglu" (GPT-OSS: gate clamped to ``limit``, up to [-limit, limit], (up + 1) * gate * sigmoid(``alpha``
     * gate)); ``routing_weight_on_input`` (Llama-4): each pair's input is scaled by its routing weight before w13
-    instead of its output after w2. Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype and device) ``y`` is written
-    there and ``out`` returned (``torch.ops.moe_lora.fused_moe_lora_out``, inference only: no autograd).
+    instead of its output after w2. Returns ``y [T, H]`` in ``x.dtype``; with ``out`` (a [T, H] tensor of x's dtype
+    and device) ``y`` is written there and ``out`` returned (``torch.ops.moe_lora.fused_moe_lora_out``, inference only: no autograd).
     """
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, lora_ranks=lora_ranks, layout=layout, activation=activation,
                   alpha=alpha, limit=limit, routing_weight_on_input=routing_weight_on_input,
