@@ -338,7 +338,8 @@ def default_per_pair_shrink(per_pair: bool, num_pairs: int) -> bool:
     """The heuristic: :func:`per_pair_shrink_applies` (``MOE_LORA_PAIR_SHRINK=0``: the block shrink everywhere).
     Measured (H100, 2026-12-05, GPT-OSS-20B whole-model decode at batch 8, 32 pairs a layer, 8 adapters mixed, one
     process per value): 13.08 against 13.35 ms a step with adapters, the same 11.98 ms without; batch 1 (per-pair
-    mode) unchanged. Not timed between 64 and 512 pairs."""
+    mode) unchanged; both runs had a router variant that was then removed (BENCHMARKS.md). Not timed between 64 and
+    512 pairs."""
     return settings.PAIR_SHRINK.enabled() and per_pair_shrink_applies(per_pair, num_pairs)
 
 
