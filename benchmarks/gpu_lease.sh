@@ -112,7 +112,9 @@ decode2)
   ;;
 decode_ab)
   # an A/B of environment switches on the whole step, each variant in its own process (the hot-path switches are
-  # read once); default: the heuristic configs against the tables this GPU reads (MOE_LORA_CONFIGS)
+  # read once); default: the heuristic configs against the tables this GPU reads (MOE_LORA_CONFIGS). A config
+  # coordinate: write a variant table first (python3 benchmarks/variant_tables.py --name S4 --set shrink.SPLIT_K=4)
+  # and name it in a variant (MOE_LORA_CONFIGS=S4)
   IFS=';' read -ra VARIANTS <<< "${AB_VARIANTS:-MOE_LORA_CONFIGS=0;MOE_LORA_CONFIGS=auto}"
   i=0
   for v in "${VARIANTS[@]}"; do

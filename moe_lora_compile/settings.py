@@ -1,9 +1,10 @@
 """Every environment switch of moe_lora_compile, in one place: its name, default and meaning.
 
 Switches read on the hot path (every kernel launch or op call: ``MOE_LORA_PDL``, ``MOE_LORA_CHECK_IDS``,
-``MOE_LORA_PAIR_SHRINK``, ``MOE_LORA_CONFIGS``, ``TRITON_INTERPRET``) are read once, at their first use, and kept
-(``read_once``); :func:`reload` forgets what was read (tests that change them call it). ``MOE_LORA_PASS_LOG`` is read
-once too, when :mod:`moe_lora_compile.passes` is imported (it sets up the pass's logger: set it before that import).
+``MOE_LORA_PAIR_SHRINK``, ``MOE_LORA_EARLY_SHRINK``, ``MOE_LORA_CONFIGS``, ``TRITON_INTERPRET``) are read once, at
+their first use, and kept (``read_once``); :func:`reload` forgets what was read (tests that change them call it).
+``MOE_LORA_PASS_LOG`` is read once too, when :mod:`moe_lora_compile.passes` is imported (it sets up the pass's
+logger: set it before that import).
 The others are read where they act, at call time. An on/off switch set to a word that is neither is refused, naming
 the variable (:meth:`Switch.enabled`). Imports nothing heavy (the CLI reads it before torch is loaded).
 """
@@ -86,13 +87,20 @@ PAIR_SHRINK = Switch("MOE_LORA_PAIR_SHRINK", "1",
                      "mode up to 512 pairs (decode batches) where a config does not say otherwise; 0: the block "
                      "shrink there (moe_lora_compile.ops.triton.configs.default_per_pair_shrink)",
                      read_once=True)
+EARLY_SHRINK = Switch("MOE_LORA_EARLY_SHRINK", "1",
+                      "1 (default), with PDL late: the kernel after a LoRA shrink that opens a chain (the dense GEMV "
+                      "/ GEMM, the MoE w13 kernel with w13_overlap: their main loops read nothing the shrink writes) "
+                      "launches as soon as the shrink's programs start, so its weights stream while the shrink runs; "
+                      "0: once the shrink's programs are past their main loop "
+                      "(moe_lora_compile.ops.triton.pdl.LaunchChain)",
+                      read_once=True)
 CONFIGS = Switch("MOE_LORA_CONFIGS", "auto",
                  "which tuned kernel-config tables the Triton ops read: auto (default: this GPU's, "
                  "moe_lora_compile/configs/<gpu>.json and <gpu>_linear.json, the heuristics where none), 0 (the "
                  "heuristics only: the baseline of a tuning A/B), or a GPU name whose tables to use (e.g. 'NVIDIA "
                  "H200' on a card that has none of its own; moe_lora_compile.ops.triton.configs.table_gpu)",
                  read_once=True)
-SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK, CONFIGS)
+SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK, EARLY_SHRINK, CONFIGS)
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",

@@ -45,3 +45,31 @@ def test_unknown_gpu_name_is_refused(set_switch, value):
     set_switch(settings.CONFIGS, value)
     with pytest.raises(ValueError, match=r"MOE_LORA_CONFIGS=.*NVIDIA_H200\.json"):
         moe(1)
+
+
+def test_variant_tables_change_only_what_they_set(set_switch, tmp_path, monkeypatch):
+    """benchmarks/variant_tables.py (the A/B helper): the tables it writes, selected by name, give the configs read
+    before with the --set coordinates changed at the --tokens buckets only (the others, prefill included, as they
+    were), for both the dense and the MoE op."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "variant_tables.py"
+    spec = importlib.util.spec_from_file_location("variant_tables", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    set_switch(settings.CONFIGS, None)
+    before = {T: (moe(T), linear(T)) for T in (1, 8, 64, 512)}
+    monkeypatch.setattr(configs, "CONFIG_DIR", tmp_path)
+    assert tool.main(["--name", "VARIANT_TEST", "--tokens", "1", "8", "--set", "shrink.SPLIT_K=3",
+                      "gemm.BLOCK_N=8", "pdl=early"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["VARIANT_TEST.json", "VARIANT_TEST_linear.json"]
+    set_switch(settings.CONFIGS, "VARIANT_TEST")
+    for T, (moe_before, linear_before) in before.items():
+        if T in (1, 8):
+            assert moe(T) == moe_before.replace(**{"shrink.SPLIT_K": 3, "pdl": "early"})  # (no gemm in MoE configs)
+            assert linear(T) == linear_before.replace(**{"shrink.SPLIT_K": 3, "gemm.BLOCK_N": 8, "pdl": "early"})
+        else:
+            assert (moe(T), linear(T)) == (moe_before, linear_before)
+    with pytest.raises(SystemExit):  # a coordinate without a value
+        tool.main(["--name", "VARIANT_TEST", "--set", "shrink.SPLIT_K"])

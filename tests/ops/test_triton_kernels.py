@@ -367,6 +367,18 @@ def test_pdl_switches(set_switch):
     assert [on.next(), on.next(), on.next()] == [{"USE_PDL": 2}] + [{"USE_PDL": 2, "launch_pdl": True}] * 2
     off = pdl.LaunchChain(pdl.PDL_OFF)
     assert [off.next(), off.next()] == [{"USE_PDL": 0}] * 2
+    # MOE_LORA_EARLY_SHRINK (default on): a kernel whose successor overlaps it triggers early, in a late chain only
+    for early in (None, "0", "1"):
+        set_switch(settings.EARLY_SHRINK, early)
+        trigger = pdl.PDL_LATE if early == "0" else pdl.PDL_EARLY
+        late = pdl.LaunchChain(pdl.PDL_LATE)
+        assert [late.next(next_overlaps=True), late.next(), late.next(next_overlaps=True)] == [
+            {"USE_PDL": trigger}, {"USE_PDL": 2, "launch_pdl": True}, {"USE_PDL": trigger, "launch_pdl": True}]
+        for mode in (pdl.PDL_OFF, pdl.PDL_EARLY):  # nothing to move in these
+            assert pdl.LaunchChain(mode).next(next_overlaps=True) == {"USE_PDL": mode}
+    set_switch(settings.EARLY_SHRINK, "sometimes")
+    with pytest.raises(ValueError, match="MOE_LORA_EARLY_SHRINK"):
+        pdl.LaunchChain(pdl.PDL_LATE).next(next_overlaps=True)
 
 
 def test_hot_path_switches_are_read_once(set_switch, monkeypatch):
@@ -471,9 +483,10 @@ def test_lora_linear_kernel_matches_loop(T, n_in, n_out, lora, bias, split_k, pe
     (65, 2048, 512, 64),  # past decode sizes: block shrink, 64-wide tiles, no split
 ])
 def test_default_linear_config(T, n_in, n_out, block_n):
-    """Decode-sized batches past the GEMV sizes (``test_lora_gemv.py``) get the per-token shrink and a split-K GEMM
-    whose programs fill the SMs about twice (unless K runs out of 2-step slices); larger batches the block shrink
-    and no split."""
+    """Decode-sized batches past the GEMV sizes (``test_lora_gemv.py``) get the per-token shrink (K split to fill the
+    SMs about twice, in at most ROWS_SHRINK_MAX_SPLIT slices) and a split-K GEMM whose programs fill the SMs about
+    twice (unless K runs out of 2-step slices); larger batches the block shrink and no split."""
+    from moe_lora_compile.ops.triton.configs import ROWS_SHRINK_MAX_SPLIT
     from moe_lora_compile.ops.triton.launch import default_linear_config
 
     cfg = default_linear_config(T, n_in, n_out, num_sms=132)
@@ -482,7 +495,7 @@ def test_default_linear_config(T, n_in, n_out, block_n):
     assert gemm.BLOCK_N == block_n
     assert cfg.per_token == (T <= 64)
     if T <= 64:
-        assert T * cfg.shrink.SPLIT_K >= 132 or cfg.shrink.SPLIT_K == -(-n_in // 128)
+        assert cfg.shrink.SPLIT_K == min(-(-2 * 132 // T), -(-n_in // 128), ROWS_SHRINK_MAX_SPLIT)
         programs = -(-T // cfg.BLOCK_M) * -(-n_out // block_n) * gemm.SPLIT_K
         assert programs >= 2 * 132 or gemm.SPLIT_K in (1, -(-n_in // (2 * gemm.BLOCK_K)))
     else:

@@ -426,6 +426,12 @@ EXPAND_SLOTS = (1, 2, 4, 8, 16)  # LinearKernelConfig.expand_slots: slots per ga
 ROWS_SHRINK_MAX_T = 64  # up to this many tokens lora_linear's shrink runs per token (dense_kernels), else per block
 GEMV_MAX_T = 8  # a ``gemv`` config is honoured up to this many tokens (its registers grow with T); else the GEMM
 GEMV_DEFAULT_MAX_T = 4  # the heuristic picks the GEMV up to this many tokens
+# The heuristic's per-token shrink splits K at most this many ways: the consumer's epilogue sums one slice per split
+# after its main loop, and with the shrink overlapping that loop (MOE_LORA_EARLY_SHRINK) a longer shrink program
+# costs nothing. H200, GPT-OSS-20B whole step with 8 adapters (2026-12-06, tables): 8 slices instead of the tuned
+# 11-32 (and 8 instead of 16 for the MoE shrink) took 0.13 / 0.17 ms off the batch-1 / batch-8 step, 4 slices
+# less (BENCHMARKS.md). The H100 was not measured.
+ROWS_SHRINK_MAX_SPLIT = 8
 
 
 def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: int = 132) -> LinearKernelConfig:
@@ -434,7 +440,8 @@ def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: 
     thread; split-K to about 4 programs per SM; no register prefetch: occupancy keeps the loads in flight). Other
     decode sizes (T <= 64) are a skinny GEMM that streams the
     weight once: 64-wide column tiles (32 for outputs under 1024), K steps of 128, and split-K so that about two
-    programs per SM stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way.
+    programs per SM stream the weight (each slice at least 2 K steps); the per-token shrink splits K the same way, in
+    at most :data:`ROWS_SHRINK_MAX_SPLIT` slices.
     Larger batches: 64x64 tiles, block shrink, no split."""
     small = T <= ROWS_SHRINK_MAX_T
     gemv = T <= GEMV_DEFAULT_MAX_T
@@ -449,7 +456,7 @@ def default_linear_config(T: int, n_in: int = 4096, n_out: int = 4096, num_sms: 
     if small:
         tiles = (1 if gemv else grid_m) * triton.cdiv(n_out, block_n)
         split_k = max(1, min(triton.cdiv((4 if gemv else 2) * num_sms, tiles), triton.cdiv(n_in, 2 * block_k)))
-    rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1))))
+    rows_split = max(1, min(triton.cdiv(n_in, 128), triton.cdiv(2 * num_sms, max(T, 1)), ROWS_SHRINK_MAX_SPLIT))
     return LinearKernelConfig(
         BLOCK_M=block_m, per_token=small, gemv=gemv,
         gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=8, num_warps=4,

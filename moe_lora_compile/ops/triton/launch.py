@@ -222,8 +222,8 @@ def fused_moe_lora_triton(
 
     s13 = _launch_shrink(x, a13, weights_flat, token_lora_ids, meta, K_dim=H, R=R, top_k=top_k, mode=mode,
                          block_m=block_m, input_by_token=True, scale_by_weight=routing_weight_on_input,
-                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(), counters=counters, ranks=ranks13,
-                         rank_block=rank_block13, **shrink_kind)
+                         cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(next_overlaps=cfg.w13_overlap),
+                         counters=counters, ranks=ranks13, rank_block=rank_block13, **shrink_kind)
 
     fuse_shrink2 = cfg.fuse_shrink2
     # shrink2 in w13's epilogue: one rank-vector slice per I column tile
@@ -347,13 +347,13 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
     counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
     rows = grid_m * cfg.BLOCK_M
     if cfg.per_token:
-        s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=rows, cfg=cfg.shrink, launch=chain.next(),
-                                counters=counters, rank_args=rank_args)
+        s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=rows, cfg=cfg.shrink,
+                                launch=chain.next(next_overlaps=True), counters=counters, rank_args=rank_args)
     else:  # the block shrink: the MoE shrink's DENSE mode with one expert, A [L, 1, R, in] (zero expert stride)
         s = _launch_shrink(x, a.unsqueeze(1), None, token_lora_ids, (None, None, None, None, T, grid_m), K_dim=n_in,
                            R=R, top_k=1, mode=K.DENSE, block_m=cfg.BLOCK_M, input_by_token=True,
-                           scale_by_weight=False, cfg=cfg.shrink, dtype=x.dtype, launch=chain.next(),
-                           counters=counters, ranks=rank_args["ranks_ptr"], rank_block=rank_args["rank_block"],
+                           scale_by_weight=False, cfg=cfg.shrink, dtype=x.dtype,
+                           launch=chain.next(next_overlaps=True), counters=counters, ranks=rank_args["ranks_ptr"], rank_block=rank_args["rank_block"],
                            rank_stride=rank_args["rank_stride"], rank_blocks=rank_args["RANK_BLOCKS"])
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, rows, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
@@ -394,7 +394,8 @@ def _launch_gemv(x, weight, bias, a, b, token_lora_ids, cfg: LinearKernelConfig,
     tiles = triton.cdiv(n_out, block_n)
     split_k, k_per_split, _ = _k_split(n_in, block_k, c.SPLIT_K)
     counters = torch.empty(tiles if split_k > 1 else 0, dtype=torch.int32, device=x.device)
-    s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=T, cfg=cfg.shrink, launch=chain.next(),
+    s = _launch_shrink_rows(x, a, token_lora_ids, R=R, rows=T, cfg=cfg.shrink,
+                            launch=chain.next(next_overlaps=True),
                             counters=counters, rank_args=rank_args)
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, T, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None

@@ -2,10 +2,13 @@
 arguments of each kernel in the chain.
 
 With PDL (SM90+), a kernel launched with ``launch_pdl=True`` may start while the previous kernel in the stream
-is still running; each of our kernels calls ``gdc_wait`` (then ``gdc_launch_dependents``) before touching memory
+is still running; each of our kernels calls ``gdc_wait`` before touching memory
 (:func:`.moe_kernels.grid_dependency_sync`), so only the launch latency and prologue overlap, and every kernel
-finishes after its predecessor did. One exception: the w13 kernel streams its weights before it waits for the
-shrink13 kernel, since its main loop reads nothing shrink13 writes.
+finishes after its predecessor did. The exceptions are the kernels after a LoRA shrink: the w13 kernel and the
+dense GEMV / GEMM stream their weights before they wait for the shrink, since their main loops read nothing it
+writes. Each kernel lets its successor launch once its programs are past their main loop (PDL_LATE), or right after
+its wait (PDL_EARLY); a shrink followed by such a kernel uses the early trigger by default (``MOE_LORA_EARLY_SHRINK``,
+:meth:`LaunchChain.next`).
 
 Used only where it is safe:
 - a CUDA device of compute capability >= 9.0, not ROCm, not Triton's interpreter;
@@ -77,8 +80,19 @@ class LaunchChain:
         self.mode = int(mode)
         self._first = True
 
-    def next(self) -> dict:
-        kwargs = {"USE_PDL": self.mode}
+    def next(self, *, next_overlaps: bool = False) -> dict:
+        """The next kernel's launch arguments. ``next_overlaps``: the kernel after this one reads nothing this one
+        writes before its own wait (a LoRA shrink opening the chain, then the dense GEMV / GEMM or w13 with
+        ``w13_overlap``): with ``MOE_LORA_EARLY_SHRINK`` on (the default) and the chain in PDL_LATE, this kernel
+        triggers its successor's launch right after its own wait (PDL_EARLY), so the successor's weights stream
+        meanwhile. Measured on the H200 (2026-12-06, GPT-OSS-20B whole step, BENCHMARKS.md): alone it changed
+        nothing; with the shrinks split 8 ways instead of 16-32 (fewer slices for the consumer's epilogue to sum)
+        the LoRA cost fell from +10.5 % to +7.3 % at batch 1 and from +14.2 % to +12.5 % at batch 8, where the
+        fewer slices without it gained 0.05 ms at batch 1 and nothing at batch 8."""
+        mode = self.mode
+        if next_overlaps and mode == PDL_LATE and settings.EARLY_SHRINK.enabled():
+            mode = PDL_EARLY
+        kwargs = {"USE_PDL": mode}
         if self.mode and not self._first:
             kwargs["launch_pdl"] = True
         self._first = False
