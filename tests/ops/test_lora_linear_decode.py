@@ -1,7 +1,8 @@
 """``lora_linear`` at decode sizes: the GEMM's grouped B expand (``expand_slots``: the B tiles of several distinct
 adapter slots of a row block in one gathered load, :func:`moe_lora_compile.ops.triton.dense_kernels.
-_lora_expand_grouped`) and the GEMV's narrow/wide tiles (BLOCK_N down to 2, K steps up to 1024, prefetch, split-K on
-and off), the variants the tuner (:mod:`moe_lora_compile.ops.triton.tune_linear`) chooses from.
+_lora_expand_grouped`), its expand spread over the split-K slices (``spread_expand``) and the GEMV's narrow/wide
+tiles (BLOCK_N down to 2, K steps up to 1024, prefetch, split-K on and off), the variants the tuner
+(:mod:`moe_lora_compile.ops.triton.tune_linear`) chooses from.
 
 CPU: Triton's interpreter, float32, tiny shapes, against the float64 oracle (``tests/support``). GPU (``-m gpu``):
 bf16 at the q/k/v and o shapes of GPT-OSS-20B and Qwen3-30B-A3B, and a CUDA graph replayed with new ids.
@@ -22,8 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def config(gemv=False, block_n=16, block_k=16, split_k=1, expand_slots=8, prefetch=False, block_m=16,
-           per_token=True) -> LinearKernelConfig:
+           per_token=True, spread_expand=False) -> LinearKernelConfig:
     return LinearKernelConfig(BLOCK_M=block_m, per_token=per_token, gemv=gemv, expand_slots=expand_slots,
+                              spread_expand=spread_expand,
                               gemm=GemmConfig(BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE_M=1, num_warps=4,
                                               num_stages=2 if prefetch else 1, SPLIT_K=split_k),
                               shrink=ShrinkConfig(BLOCK_K=16, SPLIT_K=2, num_warps=4, num_stages=1))
@@ -69,6 +71,34 @@ def test_gemm_grouped_expand_matches_oracle(T, n_in, n_out, kind, split_k, expan
     args, bv = make(T, n_in, n_out, _ids(T, kind))
     y = run(args, bv, config(split_k=split_k, expand_slots=expand_slots))
     torch.testing.assert_close(y.cpu().double(), lora_linear_oracle(*args, bias=bv), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,n_in,n_out,kind,split_k", [
+    (8, 48, 32, "mixed", 3),      # 5 distinct slots over 3 slices: 2, 2 and 1 slots a slice
+    (8, 64, 16, "mixed", 8),      # more slices than slots: some slices expand nothing
+    (11, 48, 16, "mixed", 2),     # all 6 slots of the pattern (0-5), repeats and -1s, over 2 slices
+    (8, 32, 16, "one_slot", 4),   # one slot: slice 0 expands it, the other three nothing
+    (8, 32, 16, "none", 2),       # all -1: no slice expands
+    (33, 40, 32, "mixed", 2),     # three row blocks, each with its own slot order; ragged K
+])
+@pytest.mark.parametrize("expand_slots", [1, 4])  # serial / grouped rounds within a slice's share
+def test_gemm_spread_expand_matches_oracle(T, n_in, n_out, kind, split_k, expand_slots):
+    """``spread_expand``: a row block's i-th distinct slot is expanded by K slice i % SPLIT_K (the last arriver
+    sums the slices): the result is the oracle's, each slot's delta counted once."""
+    args, bv = make(T, n_in, n_out, _ids(T, kind))
+    y = run(args, bv, config(split_k=split_k, expand_slots=expand_slots, spread_expand=True))
+    torch.testing.assert_close(y.cpu().double(), lora_linear_oracle(*args, bias=bv), rtol=1e-4, atol=1e-4)
+
+
+def test_spread_expand_config():
+    """``spread_expand`` must be a bool; its dict form round-trips; a table entry without it (every entry written
+    before it) is False, and a False config writes no key (tables stay as they were)."""
+    with pytest.raises(ValueError, match="spread_expand"):
+        config(spread_expand=1)
+    on = config(spread_expand=True)
+    assert on.to_dict()["spread_expand"] is True and LinearKernelConfig.of(on.to_dict()) == on
+    off = config()
+    assert "spread_expand" not in off.to_dict() and LinearKernelConfig.of(off.to_dict()).spread_expand is False
 
 
 @pytest.mark.parametrize("expand_slots", [2, 8])
@@ -134,7 +164,9 @@ def test_tuner_candidates_cover_the_new_variants():
     assert any(c.gemm.SPLIT_K > 1 for c in gemv) and any(c.gemm.num_stages == 1 for c in gemv)
     assert not [c for label, c in TL.stage1(8, shape, 132) if label == "gemv"]
     gemm = C.default_linear_config(8, 2880, 5120, 132)
+    assert gemm.gemm.SPLIT_K > 1 and not gemm.spread_expand
     assert {c.expand_slots for _, c in TL.stage2([gemm])} >= {1, 4}
+    assert [c for label, c in TL.stage2([gemm]) if label == "spread"] == [gemm.replace(spread_expand=True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,6 +199,17 @@ def _check(y, x, w, a, b, ids, bias):
 def test_gpu_gemm_grouped_expand_at_decode_shapes(T, n_in, n_out, expand_slots):
     x, w, a, b, ids, bias = _bf16_case(T, n_in, n_out)
     cfg = C.default_linear_config(T, n_in, n_out, 132).replace(gemv=False, expand_slots=expand_slots)
+    _check(lora_linear_triton(x, w, a, b, ids, bias=bias, config=cfg), x, w, a, b, ids, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_in,n_out", DECODE_SHAPES)
+@pytest.mark.parametrize("T", [8, 33])
+@pytest.mark.parametrize("split_k", [3, 6])
+def test_gpu_gemm_spread_expand_at_decode_shapes(T, n_in, n_out, split_k):
+    x, w, a, b, ids, bias = _bf16_case(T, n_in, n_out)
+    cfg = C.default_linear_config(T, n_in, n_out, 132).replace(gemv=False, spread_expand=True,
+                                                                **{"gemm.SPLIT_K": split_k})
     _check(lora_linear_triton(x, w, a, b, ids, bias=bias, config=cfg), x, w, a, b, ids, bias)
 
 

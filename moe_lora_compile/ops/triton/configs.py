@@ -168,10 +168,12 @@ class LinearKernelConfig:
     step ahead, in registers); ``pdl``: see :func:`requested_pdl`; ``expand_slots`` (GEMM): the epilogue loads the
     B tiles of up to this many distinct adapter slots of a row block at once (one gathered load, one batched
     ``tl.dot``; capped by a register budget, :func:`.launch._expand_slots`), 1 (default) = one slot at a time (a B
-    round trip per slot).
+    round trip per slot); ``spread_expand`` (split-K GEMM): the i-th distinct adapter slot of a row block is
+    expanded by K slice ``i % SPLIT_K`` (each slice's program walks a share of the slots; the last arriver sums the
+    slices as before) instead of every slot by slice 0 (False, the default).
 
-    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl", "expand_slots"}``
-    (``per_token`` may also sit in ``shrink``, as older configs have it)."""
+    Dict form: ``{"BLOCK_M", "gemm": {...}, "shrink": {...}, "per_token", "gemv", "pdl", "expand_slots",
+    "spread_expand"}`` (``per_token`` may also sit in ``shrink``, as older configs have it)."""
 
     BLOCK_M: int
     gemm: GemmConfig
@@ -182,12 +184,15 @@ class LinearKernelConfig:
     expand_slots: int = 1  # 8 (the grouped expand, 143-192 registers) ran GPT-OSS decode at batch 8 slower in
     # the whole model (H200, 2026-12-04: 9.67 against 8.85 ms a step before it, with the MoE rank masks in the
     # same tree): off until the tuner picks it for a shape (its stage 2 tries 1, 4, 8)
+    spread_expand: bool = False  # not yet measured on a GPU (2026-12-06): off until a whole-step A/B says otherwise
 
     def __post_init__(self):
         if self.pdl is not None:
             parse_pdl(self.pdl)
         if self.expand_slots not in EXPAND_SLOTS:
             raise ValueError(f"expand_slots must be one of {EXPAND_SLOTS}, got {self.expand_slots!r}")
+        if not isinstance(self.spread_expand, bool):
+            raise ValueError(f"spread_expand must be true or false, got {self.spread_expand!r}")
 
     @classmethod
     def of(cls, value: Union["LinearKernelConfig", dict]) -> "LinearKernelConfig":
@@ -206,10 +211,12 @@ class LinearKernelConfig:
         return _from_dict(cls, fields, "config")
 
     def to_dict(self) -> dict:
-        """The JSON form (``pdl`` left out when unset)."""
+        """The JSON form (``pdl`` left out when unset, ``spread_expand`` when False)."""
         d = dataclasses.asdict(self)
         if d["pdl"] is None:
             del d["pdl"]
+        if not d["spread_expand"]:
+            del d["spread_expand"]
         return d
 
     def replace(self, **changes: Any) -> "LinearKernelConfig":

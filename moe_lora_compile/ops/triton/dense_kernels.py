@@ -57,6 +57,16 @@ def _slot_group(lora, has_lora, after, SLOTS: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def _slot_order(lora, has_lora, BLOCK_M: tl.constexpr):
+    """Per row, how many distinct slots among the rows with LoRA are smaller than its own -> [BLOCK_M] int32 (the
+    index of its slot in the block's ascending distinct slots; meaningless in rows without LoRA). Registers only."""
+    offs = tl.arange(0, BLOCK_M)
+    earlier_same = (lora[None, :] == lora[:, None]) & has_lora[None, :] & (offs[None, :] < offs[:, None])
+    first = has_lora & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)  # the first row of each slot
+    return tl.sum((first[None, :] & (lora[None, :] < lora[:, None])).to(tl.int32), axis=1)
+
+
+@triton.jit
 def _load_slot_group(b_ptr, stride_bl, slots, b_offs, b_mask, ranks_ptr, R, rank_block, rank_stride,
                      BLOCK_R: tl.constexpr, RANK_BLOCKS: tl.constexpr):
     """B tiles of a slot group -> [SLOTS, BLOCK_R, BLOCK_N] (zero for a -1 slot, not fetched, and past each slot's
@@ -153,7 +163,7 @@ def lora_linear_kernel(
     GROUP_SIZE_M: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
     EXPAND_SLOTS: tl.constexpr = 1, ranks_ptr=None, rank_block=1, rank_stride=0, RANK_BLOCKS: tl.constexpr = 1,
-    num_slots=2147483647,
+    num_slots=2147483647, SPREAD_EXPAND: tl.constexpr = False,
 ):
     """y[t] = x[t] W^T + B[l] s[t] (+ bias), ``l = token_lora[t]`` (no delta for ``-1``). Grid (grid_m * N tiles,
     SPLIT_K). x [T, K] (K contiguous); W element (n, k) at n*stride_wn + k*stride_wk; B element (l, n, r) at
@@ -168,6 +178,10 @@ def lora_linear_kernel(
     EXPAND_SLOTS > 1: the expand loads the B tiles of up to that many distinct slots at once
     (:func:`_lora_expand_grouped`); 1: one slot at a time (:func:`.moe_kernels._lora_expand`, a B round trip per
     slot: ~8 us for 8 distinct slots at decode on the H200).
+
+    SPREAD_EXPAND (SPLIT_K > 1): the block's i-th smallest distinct slot is expanded by slice ``i % SPLIT_K``
+    instead of all of them by slice 0 (:func:`_slot_order`), so each program walks ~1/SPLIT_K of the slots' serial
+    B round trips; each slice's partial then holds its slots' deltas, which the last arriver sums with the rest.
 
     PDL: the main loop reads only x (written before the shrink, the first kernel of the pair) and W, and the first
     slot group's B tiles depend on nothing the shrink writes, so all of that runs before the wait for the shrink
@@ -187,8 +201,12 @@ def lora_linear_kernel(
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, DOT_PRECISION)
 
     lora = load_slots(token_lora_ptr, rows, valid, num_slots)
-    if SPLIT_K > 1:  # the LoRA delta and the bias once, in slice 0
-        lora = tl.where(pid_k == 0, lora, -1)
+    if SPLIT_K > 1:  # each slot's delta once: in slice 0, or spread over the slices (the bias in slice 0)
+        if SPREAD_EXPAND:
+            order = _slot_order(lora, valid & (lora >= 0), BLOCK_M)
+            lora = tl.where(order % SPLIT_K == pid_k, lora, -1)
+        else:
+            lora = tl.where(pid_k == 0, lora, -1)
     has_lora = valid & (lora >= 0)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < R

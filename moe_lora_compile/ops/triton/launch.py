@@ -353,8 +353,9 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         s = _launch_shrink(x, a.unsqueeze(1), None, token_lora_ids, (None, None, None, None, T, grid_m), K_dim=n_in,
                            R=R, top_k=1, mode=K.DENSE, block_m=cfg.BLOCK_M, input_by_token=True,
                            scale_by_weight=False, cfg=cfg.shrink, dtype=x.dtype,
-                           launch=chain.next(next_overlaps=True), counters=counters, ranks=rank_args["ranks_ptr"], rank_block=rank_args["rank_block"],
-                           rank_stride=rank_args["rank_stride"], rank_blocks=rank_args["RANK_BLOCKS"])
+                           launch=chain.next(next_overlaps=True), counters=counters, ranks=rank_args["ranks_ptr"],
+                           rank_block=rank_args["rank_block"], rank_stride=rank_args["rank_stride"],
+                           rank_blocks=rank_args["RANK_BLOCKS"])
     out = torch.empty((T, n_out), dtype=x.dtype, device=x.device)
     part = torch.empty((split_k, rows, n_out), dtype=torch.float32, device=x.device) if split_k > 1 else None
     DK.lora_linear_kernel[(tiles, split_k)](
@@ -366,7 +367,8 @@ def lora_linear_triton(x: Tensor, weight: Tensor, lora_a: Tensor, lora_b: Tensor
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_R=_block_r(R), GROUP_SIZE_M=c.GROUP_SIZE_M,
         HAS_BIAS=bias is not None, EVEN_K=even_k, EVEN_N=n_out % block_n == 0,
         DOT_PRECISION=_dot_precision(x.dtype), SPLIT_K=split_k,
-        EXPAND_SLOTS=_expand_slots(cfg, block_n, R, c.num_warps), num_warps=c.num_warps, num_stages=c.num_stages,
+        EXPAND_SLOTS=_expand_slots(cfg, block_n, R, c.num_warps), SPREAD_EXPAND=cfg.spread_expand and split_k > 1,
+        num_warps=c.num_warps, num_stages=c.num_stages,
         **rank_args, **chain.next())
     return out
 

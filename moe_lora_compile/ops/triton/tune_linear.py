@@ -107,12 +107,15 @@ def stage1(T: int, s: Shape, num_sms: int):
 
 
 def stage2(best: list) -> list:
-    """Around each of the best configs: the GEMM's grouped expand (``expand_slots``), num_warps/num_stages, the
-    shrink's split-K halved/doubled, PDL off/early."""
+    """Around each of the best configs: the GEMM's grouped expand (``expand_slots``) and, with split-K, its
+    expand spread over the slices (``spread_expand``), num_warps/num_stages, the shrink's split-K halved/doubled,
+    PDL off/early."""
     out = []
     for cfg in best:
         if not cfg.gemv:
             out += [("expand", cfg.replace(expand_slots=n)) for n in EXPAND_SLOTS]
+            if cfg.gemm.SPLIT_K > 1:  # the slots' expand spread over the K slices
+                out.append(("spread", cfg.replace(spread_expand=not cfg.spread_expand)))
         for warps, stages in WARPS_STAGES[cfg.gemv]:
             out.append(("warps", cfg.replace(**{"gemm.num_warps": warps, "gemm.num_stages": stages})))
         for factor in (0.5, 2):
@@ -236,7 +239,7 @@ def describe(cfg) -> str:
     g = cfg.gemm
     path = "gemv" if cfg.gemv else f"gemm(M{cfg.BLOCK_M})"
     pdl = "" if cfg.pdl is None else f" pdl={cfg.pdl}"
-    expand = "" if cfg.gemv else f" expand{cfg.expand_slots}"
+    expand = "" if cfg.gemv else f" expand{cfg.expand_slots}" + (" spread" if cfg.spread_expand else "")
     return (f"{path} N{g.BLOCK_N} K{g.BLOCK_K} split{g.SPLIT_K} w{g.num_warps}s{g.num_stages} "
             f"shrink-split{cfg.shrink.SPLIT_K}{expand}{pdl}")
 
