@@ -108,6 +108,39 @@ def test_fused_moe_lora_kernel_matches_loop(case, path):
     torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("path", [
+    pytest.param((True, True), id="per-pair-fused"),      # slices: one per w13 column tile (I=48: 3)
+    pytest.param((False, True), id="sorted-fused"),       # the same, routed blocks with several slots
+    pytest.param((True, False), id="per-pair-shrink2"),   # the separate shrink2's K slices (_SHRINK's split)
+    pytest.param((False, False), id="sorted-shrink2"),
+])
+@pytest.mark.parametrize("block_k2", [16, 32, 64], ids=["3-steps", "2-steps", "1-step"])  # I=48: slices vs K steps
+@pytest.mark.parametrize("case", [
+    pytest.param(kernel_case(T=6, k=2, L=3, I=48, lora="alternate"), id="I48-alternate"),
+    pytest.param(kernel_case(T=5, L=3, I=48, ranks=(16, 5, 9)), id="I48-mixed-ranks"),
+    pytest.param(kernel_case(T=4, I=40, H=40, layout="transposed_interleaved", activation="gptoss_swiglu",
+                             bias=True, limit=0.5), id="I40-gptoss-bias"),  # a ragged last K step
+    pytest.param(kernel_case(T=3, I=48, lora="none"), id="I48-no-lora"),
+])
+def test_w2_sum_in_loop_matches_oracle(case, path, block_k2):
+    """``w2_sum_in_loop``: the w2 kernel sums the rank vectors' slices one per K step in its main loop and the rest
+    after it (more slices than steps: block_k2 32 / 64 with 3 fused slices), or has fewer slices than steps."""
+    args, kwargs = case.make(DEVICE)
+    cfg = tiny_config(*path).replace(w2_sum_in_loop=True, **{"w2.BLOCK_K": block_k2})
+    y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
+    torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
+
+
+def test_w2_sum_in_loop_config():
+    """``w2_sum_in_loop`` must be a bool; it round-trips through the dict form, which leaves it out when False (the
+    tables written before it read as False)."""
+    with pytest.raises(ValueError, match="w2_sum_in_loop"):
+        tiny_config(True).replace(w2_sum_in_loop="yes")
+    on = tiny_config(True).replace(w2_sum_in_loop=True)
+    assert MoEKernelConfig.of(on.to_dict()) == on and on.to_dict()["w2_sum_in_loop"] is True
+    assert "w2_sum_in_loop" not in tiny_config(True).to_dict()
+
+
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
 def test_int64_ids_and_empty_batch(per_pair):
     """int64 topk_ids / token_lora_ids give the int32 result; T=0 gives an empty [0, H] output."""
@@ -568,6 +601,26 @@ def test_gpu_bf16_real_shapes(geometry, T, L, R, lora):
     y0 = torch.ops.moe_lora.fused_moe_lora(*no_lora, **kwargs)
     ref0 = moe_lora_oracle(*no_lora, **kwargs)
     assert _rel_err(y.float() - y0.float(), ref - ref0) < 5e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geometry", [GPT_OSS_20B, QWEN3_30B_A3B], ids=lambda g: g.name)
+@pytest.mark.parametrize("T,L,R,lora", [
+    (1, 4, 32, "all"),           # decode: per-pair path, fused shrink2 (45 slices for GPT-OSS at 64-wide tiles)
+    (8, 8, 32, "alternate"),     # sorted path, several slots per block
+])
+def test_gpu_bf16_w2_sum_in_loop(geometry, T, L, R, lora):
+    """``w2_sum_in_loop`` at real shapes: the same result as the default (the rank-vector slices summed after the
+    main loop), both against the oracle."""
+    from moe_lora_compile.ops.triton.configs import get_config
+
+    c = MoECase.of_geometry(geometry, T, L, R, lora)
+    args, kwargs = c.make("cuda", dtype=torch.bfloat16)
+    cfg = get_config(args[0].device, c.E, c.H, c.I, R, T, c.k)
+    ref = moe_lora_oracle(*args, **kwargs)
+    for sum_in_loop in (False, True):
+        y = fused_moe_lora_triton(*args, **kwargs, config=cfg.replace(w2_sum_in_loop=sum_in_loop))
+        assert _rel_err(y, ref) < 1e-2
 
 
 @pytest.mark.gpu

@@ -93,7 +93,10 @@ class MoEKernelConfig:
     ``w13_overlap`` (with PDL): w13 streams its weights before waiting for shrink13. ``pdl``: see
     :func:`requested_pdl`. ``per_pair_shrink``: the LoRA shrinks run one program per (token, expert) pair
     (:func:`.moe_kernels.lora_shrink_pairs_kernel`) instead of one per row block; None (an entry tuned before the
-    field existed, or a config that leaves it out) = :func:`default_per_pair_shrink` of the call."""
+    field existed, or a config that leaves it out) = :func:`default_per_pair_shrink` of the call.
+    ``w2_sum_in_loop``: the w2 kernel sums the w2 shrink's rank-vector slices (one per w13 column tile with the
+    fused shrink2) one slice a K step inside its main loop, instead of in a chain of loads after it (bf16 experts,
+    w2 without split-K; False, the default: not yet timed on a GPU)."""
 
     per_pair: bool
     BLOCK_M: int
@@ -105,12 +108,15 @@ class MoEKernelConfig:
     w13_overlap: bool = True
     pdl: PdlSetting = None
     per_pair_shrink: Optional[bool] = None
+    w2_sum_in_loop: bool = False
 
     def __post_init__(self):
         if self.fuse_shrink2 is None:
             object.__setattr__(self, "fuse_shrink2", self.per_pair)
         if self.pdl is not None:
             parse_pdl(self.pdl)  # a bad value is an error now, not at the first launch
+        if not isinstance(self.w2_sum_in_loop, bool):
+            raise ValueError(f"w2_sum_in_loop must be true or false, got {self.w2_sum_in_loop!r}")
 
     @classmethod
     def from_dict(cls, d: dict) -> "MoEKernelConfig":
@@ -130,11 +136,13 @@ class MoEKernelConfig:
         return value if isinstance(value, cls) else cls.from_dict(value)
 
     def to_dict(self) -> dict:
-        """The JSON form (``pdl`` and ``per_pair_shrink`` left out when unset)."""
+        """The JSON form (``pdl`` and ``per_pair_shrink`` left out when unset, ``w2_sum_in_loop`` when False)."""
         d = dataclasses.asdict(self)
         for key in ("pdl", "per_pair_shrink"):
             if d[key] is None:
                 del d[key]
+        if not d["w2_sum_in_loop"]:
+            del d["w2_sum_in_loop"]
         return d
 
     def uses_per_pair_shrink(self, num_pairs: int) -> bool:

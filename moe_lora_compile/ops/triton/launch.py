@@ -269,7 +269,7 @@ def fused_moe_lora_triton(
         MODE=mode, HAS_BIAS=w2_bias is not None, WEIGHT_ON_OUTPUT=not routing_weight_on_input,
         EVEN_K=even_k2, EVEN_N=H % block_n2 == 0, DOT_PRECISION=dot_precision, TOPK_SUM=topk_sum,
         SPLIT_K=split2, num_warps=c2.num_warps, num_stages=c2.num_stages, ranks_ptr=ranks2, num_slots=L,
-        num_experts=E, **chain.next())
+        num_experts=E, SUM_IN_LOOP=cfg.w2_sum_in_loop and split2 == 1 and w2_scales is None, **chain.next())
     if not topk_sum and top_k > 1:
         torch.sum(rows2.view(T, top_k, H), dim=1, out=y)
     return y

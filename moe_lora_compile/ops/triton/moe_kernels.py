@@ -650,6 +650,42 @@ def _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stri
     return acc
 
 
+@triton.jit
+def _expert_gemm_summing(a_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, s_ptrs, s_mask, num_splits, split_stride,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_R: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    """:func:`_expert_gemm`'s product, and beside it the sum of the first slices of the shrink's rank vectors
+    (``s_ptrs`` [BLOCK_M, BLOCK_R] at slice 0, ``split_stride`` apart, ``s_mask``), one slice a K step, loaded
+    one step ahead so that no step waits for its slice -> (acc [BLOCK_M, BLOCK_N] fp32, s [BLOCK_M, BLOCK_R] fp32):
+    s holds slices 0 .. (number of K steps), those of them that exist (num_splits >= 1)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    s = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    s_next = tl.load(s_ptrs, mask=s_mask, other=0.0)
+    split = tl.full((BLOCK_M, BLOCK_R), 1, tl.int32)  # (a tile, not a scalar: the mask stays a tile)
+    a_ptrs += k_start
+    w_ptrs += k_start * stride_wk
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < k_end
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+        s += s_next
+        s_next = tl.load(s_ptrs + split * split_stride, mask=s_mask & (split < num_splits), other=0.0)
+        split += 1
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    return acc, s + s_next
+
+
 @triton.jit(do_not_specialize=["num_pairs", "grid_m"])
 def moe_w2_kernel(
     in_ptr, stride_in, w_ptr, stride_we, stride_wk, stride_wn, bias_ptr, stride_bias_e,
@@ -662,7 +698,7 @@ def moe_w2_kernel(
     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TOPK_SUM: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, USE_PDL: tl.constexpr = 0,
     w_scales_ptr=None, stride_se=0, stride_sn=0, W_FORMAT: tl.constexpr = 0, ranks_ptr=None, num_slots=2147483647,
-    num_experts=2147483647,
+    num_experts=2147483647, SUM_IN_LOOP: tl.constexpr = False,
 ):
     """out[pair, n] = (in[row] W[e]^T + s B[l,e]^T + bias) (* routing weight): the w2 GEMM.
 
@@ -683,7 +719,10 @@ def moe_w2_kernel(
 
     ``num_experts``: E. PER_PAIR mode: a pair whose expert lies outside ``[0, E)`` (:func:`_block_rows`) skips its
     GEMM and writes its row (each K slice's) as zeros, and still arrives for the top-k sum: it adds nothing to y.
-    (SORTED mode: :mod:`.routing` zeroes such a pair's row.)"""
+    (SORTED mode: :mod:`.routing` zeroes such a pair's row.)
+
+    SUM_IN_LOOP (dense W, SPLIT_K 1; config ``w2_sum_in_loop``): the rank vectors' slices are summed in the main
+    loop, one a K step (:func:`_expert_gemm_summing`), the rest (more slices than K steps) after it."""
     grid_dependency_sync(USE_PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), grid_m, tl.cdiv(N, BLOCK_N), GROUP_SIZE_M)
     pid_k = tl.program_id(1)
@@ -706,26 +745,40 @@ def moe_w2_kernel(
     in_ptrs = in_ptr + in_rows[:, None] * stride_in + offs_k[None, :]
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    if MODE == _PER_PAIR:
-        if bad_expert:  # an expert id outside [0, E) (see _block_rows): no GEMM, a zero row
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    if SUM_IN_LOOP:  # (SPLIT_K 1, dense W: the launcher's condition)
+        if MODE == _PER_PAIR:  # an expert id outside [0, E): no GEMM (no K step), a zero row
+            k_end = tl.where(bad_expert, k_start, k_end)
+        lora = load_slots(token_lora_ptr, token, valid, num_slots)
+        has_lora = valid & (lora >= 0)  # (False in every row of a pair with a bad expert: no valid row)
+        s_ptrs = s_ptr + rows.to(tl.int64)[:, None] * R + offs_r[None, :]
+        w_ptrs = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+        acc, s = _expert_gemm_summing(in_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, s_ptrs,
+                                      has_lora[:, None] & r_mask[None, :], num_splits, split_stride,
+                                      BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R, EVEN_K, EVEN_N, DOT_PRECISION)
+        for sp in range(tl.cdiv(k_end - k_start, BLOCK_K) + 1, num_splits):  # slices past the K steps
+            s += tl.load(s_ptrs + sp * split_stride, mask=has_lora[:, None] & r_mask[None, :], other=0.0)
+        launch_dependents(USE_PDL)
+    else:
+        if MODE == _PER_PAIR:
+            if bad_expert:  # an expert id outside [0, E) (see _block_rows): no GEMM, a zero row
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            else:
+                acc = _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stride_se, stride_sn,
+                               expert, offs_k, offs_n, n_mask, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                               EVEN_N, DOT_PRECISION, W_FORMAT)
         else:
             acc = _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stride_se, stride_sn,
                            expert, offs_k, offs_n, n_mask, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
                            DOT_PRECISION, W_FORMAT)
-    else:
-        acc = _w2_gemm(in_ptrs, w_ptr, stride_we, stride_wk, stride_wn, w_scales_ptr, stride_se, stride_sn, expert,
-                       offs_k, offs_n, n_mask, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
-                       DOT_PRECISION, W_FORMAT)
-    launch_dependents(USE_PDL)
+        launch_dependents(USE_PDL)
 
-    lora = load_slots(token_lora_ptr, token, valid, num_slots)
-    if SPLIT_K > 1:  # the LoRA delta (and bias) once, in slice 0
-        lora = tl.where(pid_k == 0, lora, _NO_ADAPTER)
-    has_lora = valid & (lora >= 0)
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < R
-    s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
+        lora = load_slots(token_lora_ptr, token, valid, num_slots)
+        if SPLIT_K > 1:  # the LoRA delta (and bias) once, in slice 0
+            lora = tl.where(pid_k == 0, lora, _NO_ADAPTER)
+        has_lora = valid & (lora >= 0)
+        s = _load_rank_vectors(s_ptr, rows, has_lora, R, num_splits, split_stride, BLOCK_R)
     b_offs = expert * stride_be + offs_r[:, None] + offs_n[None, :] * stride_bn
     acc += _lora_expand(s, lora, has_lora, b_ptr, stride_bl, b_offs, r_mask[:, None] & n_mask[None, :], ranks_ptr,
                         R, R, 0, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION)

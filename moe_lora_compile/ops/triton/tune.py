@@ -6,7 +6,8 @@
 Coordinate descent from the heuristic default (:func:`.configs.default_config`), or with
 ``--start shipped`` from the entry already in the file: routing mode and BLOCK_M, whether the w2 shrink is fused
 into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's kind (per pair or per row block,
-``per_pair_shrink``) and split-K, then PDL (off / late / early); ``--groups`` limits the search to some of these
+``per_pair_shrink``) and split-K, w2 summing the rank-vector slices in its main loop (``w2_sum_in_loop``), then
+PDL (off / late / early); ``--groups`` limits the search to some of these
 coordinates (names in ``GROUPS``). Each candidate is timed as the median of ``triton.testing.do_bench`` over a
 CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an adapter). Entries are merged into the
 output file under the GPU name and ``E=..,H=..,I=..,R=..`` shape key, after every (T, R), so a run cut short keeps
@@ -92,11 +93,11 @@ def _time(args_sets, cfg, mxfp4: bool = False) -> float:
 
 GROUPS = ("mode", "fuse_shrink2", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.GROUP_SIZE_M",
           "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K", "w2.warps_stages", "w2.GROUP_SIZE_M", "w2.SPLIT_K",
-          "per_pair_shrink", "shrink.SPLIT_K", "pdl")
+          "per_pair_shrink", "shrink.SPLIT_K", "w2_sum_in_loop", "pdl")
 # MXFP4: the decode-bound GEMMs first (a --budget-s cut drops the least likely wins, at the end)
 MXFP4_GROUPS = ("mode", "w13.BLOCK_N", "w13.BLOCK_K", "w13.warps_stages", "w13.SPLIT_K", "w2.BLOCK_N", "w2.BLOCK_K",
                 "w2.warps_stages", "w2.SPLIT_K", "fuse_shrink2", "w13.GROUP_SIZE_M", "w2.GROUP_SIZE_M",
-                "per_pair_shrink", "shrink.SPLIT_K", "pdl")
+                "per_pair_shrink", "shrink.SPLIT_K", "w2_sum_in_loop", "pdl")
 
 
 def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str, mxfp4: bool = False):
@@ -117,6 +118,9 @@ def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str, mxfp4:
         return  # w2 split-K acts only on the per-pair path (inside the fused top-k sum)
     if group == "fuse_shrink2":
         yield cfg.replace(fuse_shrink2=not cfg.fuse_shrink2)
+        return
+    if group == "w2_sum_in_loop":  # (it acts on bf16 experts, w2 without split-K: an MXFP4 run times it as is)
+        yield cfg.replace(w2_sum_in_loop=not cfg.w2_sum_in_loop)
         return
     if group == "per_pair_shrink":  # the other shrink kernel (cfg's own choice resolved for these T*k pairs)
         yield cfg.replace(per_pair_shrink=not cfg.uses_per_pair_shrink(T * g.k))
