@@ -113,8 +113,13 @@ decode2)
 decode_ab)
   # an A/B of environment switches on the whole step, each variant in its own process (the hot-path switches are
   # read once); default: the heuristic configs against the tables this GPU reads (MOE_LORA_CONFIGS). A config
-  # coordinate: write a variant table first (python3 benchmarks/variant_tables.py --name S4 --set shrink.SPLIT_K=4)
-  # and name it in a variant (MOE_LORA_CONFIGS=S4)
+  # coordinate: a variant table (benchmarks/variant_tables.py), named in a variant (MOE_LORA_CONFIGS=S4);
+  # AB_TABLES="S4:shrink.SPLIT_K=4 BOTH:spread_expand=true,w2_sum_in_loop=true" writes them first (at T 1-8)
+  for spec in ${AB_TABLES:-}; do
+    sets=${spec#*:}
+    # shellcheck disable=SC2086  # the comma-separated settings become --set's words
+    python3 benchmarks/variant_tables.py --name "${spec%%:*}" --set ${sets//,/ } 2>&1 | tee -a "$W/steps.txt"
+  done
   IFS=';' read -ra VARIANTS <<< "${AB_VARIANTS:-MOE_LORA_CONFIGS=0;MOE_LORA_CONFIGS=auto}"
   i=0
   for v in "${VARIANTS[@]}"; do
