@@ -245,6 +245,24 @@ def _b13_tile(offs_r, cols, up, col_mask, R, stride_bn, SPLIT_B13: tl.constexpr)
 
 
 @triton.jit
+def _gemm_tiles(a_ptrs, w_ptrs, offs_k, k_end, n_mask, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    """One K step's tiles of :func:`_expert_gemm`: a [BLOCK_M, BLOCK_K] at ``a_ptrs``, w [BLOCK_K, BLOCK_N] at
+    ``w_ptrs``; ``offs_k`` the step's K indices (masked from ``k_end`` on unless EVEN_K), ``n_mask`` the columns
+    (unless EVEN_N)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        if EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
+    else:
+        k_mask = offs_k < k_end
+        a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+    return a, w
+
+
+@triton.jit
 def _expert_gemm(a_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """sum over k in [k_start, k_end) of a [BLOCK_M, BLOCK_K] tiles (row stride given, k contiguous; ``a_ptrs`` at
@@ -255,16 +273,7 @@ def _expert_gemm(a_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, BLOCK_M: tl.
     a_ptrs += k_start
     w_ptrs += k_start * stride_wk
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < k_end
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a, w = _gemm_tiles(a_ptrs, w_ptrs, k0 + offs_k, k_end, n_mask, EVEN_K, EVEN_N)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -667,16 +676,7 @@ def _expert_gemm_summing(a_ptrs, w_ptrs, k_start, k_end, stride_wk, n_mask, s_pt
     a_ptrs += k_start
     w_ptrs += k_start * stride_wk
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            if EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < k_end
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        a, w = _gemm_tiles(a_ptrs, w_ptrs, k0 + offs_k, k_end, n_mask, EVEN_K, EVEN_N)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         s += s_next
         s_next = tl.load(s_ptrs + split * split_stride, mask=s_mask & (split < num_splits), other=0.0)
