@@ -44,26 +44,23 @@ _COUNTER_TILE = tl.constexpr(128)
 
 
 @triton.jit
-def _slot_group(lora, has_lora, after, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The SLOTS smallest distinct slots above ``after`` among the rows with LoRA -> [SLOTS] int32, ascending, -1
-    past the last one. lora, has_lora [BLOCK_M]; registers only (a [BLOCK_M, BLOCK_M] compare)."""
-    cand = has_lora & (lora > after)
+def _slot_order(lora, rows, BLOCK_M: tl.constexpr):
+    """Among the slots of the rows ``rows`` [BLOCK_M] bool: (whether each row is the first of its slot, how many
+    distinct slots are smaller than its own) -> ([BLOCK_M] bool, [BLOCK_M] int32: the index of the row's slot in the
+    ascending distinct slots; meaningless outside ``rows``). Registers only (a [BLOCK_M, BLOCK_M] compare)."""
     offs = tl.arange(0, BLOCK_M)
-    earlier_same = (lora[None, :] == lora[:, None]) & cand[None, :] & (offs[None, :] < offs[:, None])
-    first = cand & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)  # the first row of each candidate slot
-    rank = tl.sum((first[None, :] & (lora[None, :] < lora[:, None])).to(tl.int32), axis=1)  # distinct slots below
-    pick = first[None, :] & (rank[None, :] == tl.arange(0, SLOTS)[:, None])  # [SLOTS, BLOCK_M]
-    return tl.max(tl.where(pick, lora[None, :], -1), axis=1)
+    earlier_same = (lora[None, :] == lora[:, None]) & rows[None, :] & (offs[None, :] < offs[:, None])
+    first = rows & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)
+    return first, tl.sum((first[None, :] & (lora[None, :] < lora[:, None])).to(tl.int32), axis=1)
 
 
 @triton.jit
-def _slot_order(lora, has_lora, BLOCK_M: tl.constexpr):
-    """Per row, how many distinct slots among the rows with LoRA are smaller than its own -> [BLOCK_M] int32 (the
-    index of its slot in the block's ascending distinct slots; meaningless in rows without LoRA). Registers only."""
-    offs = tl.arange(0, BLOCK_M)
-    earlier_same = (lora[None, :] == lora[:, None]) & has_lora[None, :] & (offs[None, :] < offs[:, None])
-    first = has_lora & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)  # the first row of each slot
-    return tl.sum((first[None, :] & (lora[None, :] < lora[:, None])).to(tl.int32), axis=1)
+def _slot_group(lora, has_lora, after, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The SLOTS smallest distinct slots above ``after`` among the rows with LoRA -> [SLOTS] int32, ascending, -1
+    past the last one. lora, has_lora [BLOCK_M]; registers only."""
+    first, rank = _slot_order(lora, has_lora & (lora > after), BLOCK_M)
+    pick = first[None, :] & (rank[None, :] == tl.arange(0, SLOTS)[:, None])  # [SLOTS, BLOCK_M]
+    return tl.max(tl.where(pick, lora[None, :], -1), axis=1)
 
 
 @triton.jit
@@ -203,7 +200,7 @@ def lora_linear_kernel(
     lora = load_slots(token_lora_ptr, rows, valid, num_slots)
     if SPLIT_K > 1:  # each slot's delta once: in slice 0, or spread over the slices (the bias in slice 0)
         if SPREAD_EXPAND:
-            order = _slot_order(lora, valid & (lora >= 0), BLOCK_M)
+            _, order = _slot_order(lora, valid & (lora >= 0), BLOCK_M)
             lora = tl.where(order % SPLIT_K == pid_k, lora, -1)
         else:
             lora = tl.where(pid_k == 0, lora, -1)
