@@ -87,7 +87,7 @@ class LaunchChain:
         triggers its successor's launch right after its own wait (PDL_EARLY), so the successor's weights stream
         meanwhile. Measured on the H200 (2026-12-06, GPT-OSS-20B whole step, BENCHMARKS.md): alone it changed
         nothing; with the shrinks split 8 ways instead of 16-32 (fewer slices for the consumer's epilogue to sum)
-        the LoRA cost fell from +10.5 % to +7.3 % at batch 1 and from +14.2 % to +12.5 % at batch 8, where the
+        the LoRA cost fell from +10.5 % to +7.3 % at batch 1 and from +14.1 % to +12.5 % at batch 8, where the
         fewer slices without it gained 0.05 ms at batch 1 and nothing at batch 8."""
         mode = self.mode
         if next_overlaps and mode == PDL_LATE and settings.EARLY_SHRINK.enabled():
