@@ -92,13 +92,14 @@ def test_gemm_spread_expand_matches_oracle(T, n_in, n_out, kind, split_k, expand
 
 def test_spread_expand_config():
     """``spread_expand`` must be a bool; its dict form round-trips; a table entry without it (every entry written
-    before it) is False, and a False config writes no key (tables stay as they were)."""
+    before it) takes the default, True, and a True config writes no key (tables stay as they were)."""
     with pytest.raises(ValueError, match="spread_expand"):
         config(spread_expand=1)
+    off = config(spread_expand=False)
+    assert off.to_dict()["spread_expand"] is False and LinearKernelConfig.of(off.to_dict()) == off
     on = config(spread_expand=True)
-    assert on.to_dict()["spread_expand"] is True and LinearKernelConfig.of(on.to_dict()) == on
-    off = config()
-    assert "spread_expand" not in off.to_dict() and LinearKernelConfig.of(off.to_dict()).spread_expand is False
+    assert "spread_expand" not in on.to_dict() and LinearKernelConfig.of(on.to_dict()).spread_expand is True
+    assert LinearKernelConfig.of({k: v for k, v in off.to_dict().items() if k != "spread_expand"}) == on
 
 
 @pytest.mark.parametrize("expand_slots", [2, 8])
@@ -164,9 +165,9 @@ def test_tuner_candidates_cover_the_new_variants():
     assert any(c.gemm.SPLIT_K > 1 for c in gemv) and any(c.gemm.num_stages == 1 for c in gemv)
     assert not [c for label, c in TL.stage1(8, shape, 132) if label == "gemv"]
     gemm = C.default_linear_config(8, 2880, 5120, 132)
-    assert gemm.gemm.SPLIT_K > 1 and not gemm.spread_expand
+    assert gemm.gemm.SPLIT_K > 1 and gemm.spread_expand  # the default
     assert {c.expand_slots for _, c in TL.stage2([gemm])} >= {1, 4}
-    assert [c for label, c in TL.stage2([gemm]) if label == "spread"] == [gemm.replace(spread_expand=True)]
+    assert [c for label, c in TL.stage2([gemm]) if label == "spread"] == [gemm.replace(spread_expand=False)]
 
 
 # ----------------------------------------------------------------------------------------------------------------

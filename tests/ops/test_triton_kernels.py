@@ -122,23 +122,26 @@ def test_fused_moe_lora_kernel_matches_loop(case, path):
                              bias=True, limit=0.5), id="I40-gptoss-bias"),  # a ragged last K step
     pytest.param(kernel_case(T=3, I=48, lora="none"), id="I48-no-lora"),
 ])
-def test_w2_sum_in_loop_matches_oracle(case, path, block_k2):
+@pytest.mark.parametrize("sum_in_loop", [True, False], ids=["in-loop", "after-loop"])  # True: the default
+def test_w2_sum_in_loop_matches_oracle(case, path, block_k2, sum_in_loop):
     """``w2_sum_in_loop``: the w2 kernel sums the rank vectors' slices one per K step in its main loop and the rest
-    after it (more slices than steps: block_k2 32 / 64 with 3 fused slices), or has fewer slices than steps."""
+    after it (more slices than steps: block_k2 32 / 64 with 3 fused slices), or has fewer slices than steps; off,
+    it sums them all after its main loop."""
     args, kwargs = case.make(DEVICE)
-    cfg = tiny_config(*path).replace(w2_sum_in_loop=True, **{"w2.BLOCK_K": block_k2})
+    cfg = tiny_config(*path).replace(w2_sum_in_loop=sum_in_loop, **{"w2.BLOCK_K": block_k2})
     y = fused_moe_lora_triton(*args, **kwargs, config=cfg)
     torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
 
 
 def test_w2_sum_in_loop_config():
-    """``w2_sum_in_loop`` must be a bool; it round-trips through the dict form, which leaves it out when False (the
-    tables written before it read as False)."""
+    """``w2_sum_in_loop`` must be a bool, True by default; it round-trips through the dict form, which leaves it
+    out when True (the tables written before it read as the default)."""
     with pytest.raises(ValueError, match="w2_sum_in_loop"):
         tiny_config(True).replace(w2_sum_in_loop="yes")
-    on = tiny_config(True).replace(w2_sum_in_loop=True)
-    assert MoEKernelConfig.of(on.to_dict()) == on and on.to_dict()["w2_sum_in_loop"] is True
-    assert "w2_sum_in_loop" not in tiny_config(True).to_dict()
+    off = tiny_config(True).replace(w2_sum_in_loop=False)
+    assert MoEKernelConfig.of(off.to_dict()) == off and off.to_dict()["w2_sum_in_loop"] is False
+    on = tiny_config(True)
+    assert on.w2_sum_in_loop and "w2_sum_in_loop" not in on.to_dict()
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
