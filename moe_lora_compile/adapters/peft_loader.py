@@ -52,6 +52,7 @@ _PEFT_3D_SWAP = (0, 19, 0)
 _PEFT_3D_CURRENT = (0, 19, 1)
 _PEFT_DEFAULT_ALPHA = 8  # LoraConfig's default lora_alpha, used when a config omits it (as PEFT does)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ROUTER_LEAVES = ("gate", "router", "shared_expert_gate")  # routers' leaf names in the MoE families (named in errors)
 _PARENT_LIBRARY_RE = re.compile(r"^transformers\.models\.(?P<model_type>[A-Za-z0-9_]+)\.")
 
 
@@ -455,7 +456,11 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
                                      f"{target.num_experts} experts (adapter made for another base model?)")
             per_expert.setdefault(match["experts"], {}).setdefault(match["leaf"], {})[index] = (module, a, b)
             continue
-        raise _weights_error(f"adapter targets {module!r}, which is not a LoRA target of this model "
+        router = (" (an MoE router or shared-expert gate: LoRA on routers is not supported; PEFT's "
+                  "target_modules='all-linear' adapts them too: name the target modules, or exclude the routers "
+                  "with exclude_modules)"
+                  if name.rpartition(".")[2] in _ROUTER_LEAVES else "")
+        raise _weights_error(f"adapter targets {module!r}, which is not a LoRA target of this model{router} "
                              f"(experts modules and dense targets: {_summary(experts_targets, linear_targets)})")
 
     for name in sorted(set(three_d) & set(per_expert)):

@@ -129,6 +129,10 @@ class AdapterSlots:
         """``{adapter name: slot}`` (a copy)."""
         return dict(self._slot_of)
 
+    def holds(self, name: str, slot: int) -> bool:
+        """Whether adapter ``name`` is loaded in ``slot`` (a hot swap keeps it there; an unload does not)."""
+        return self._slot_of.get(name) == slot
+
     def slot_of(self, name: str) -> int:
         if name not in self._slot_of:
             raise KeyError(f"adapters: unknown adapter {name!r}; loaded: {sorted(self._slot_of)}")
@@ -155,6 +159,8 @@ class AdapterSlots:
         if not isinstance(weights, Mapping):
             raise ValueError(f"weights must be a dict {{module name: ExpertsLoRA | LinearLoRA}}, got "
                              f"{type(weights).__name__}")
+        if not weights:  # as a folder without LoRA tensors: it would serve the base model under the adapter's name
+            raise ValueError("weights: no LoRA factors (an empty dict); an adapter needs at least one module")
         out = AdapterWeights(owner=self)
         for name, lora in weights.items():
             if name in self.experts_modules:

@@ -74,6 +74,48 @@ def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
     return model(input_ids=input_ids, **kwargs).logits
 
 
+def _token_id(name: str, value, vocab: int) -> int:
+    """``value`` as a token id in ``[0, vocab)``, else a ValueError naming ``name``."""
+    if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+        raise ValueError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
+    return value
+
+
+def _check_token_ids(name: str, ids) -> None:
+    """``ids`` must be a 2-D integer tensor (shape and dtype only: no host sync)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be [batch, seq_len] integer token ids, got {tuple(ids.shape)} {ids.dtype}")
+
+
+def _check_prompt_values(input_ids: Tensor, attention_mask: Optional[Tensor], vocab: int) -> None:
+    """Prompt ids in ``[0, vocab)``; ``attention_mask`` (if any) ``input_ids``'s shape, only 0s and 1s, each row
+    left padding then at least one token. One host sync (a device-side out-of-range id would be an assert)."""
+    b, S = input_ids.shape
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, S):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be [{b}, {S}] like input_ids, got {shape}")
+        m = attention_mask.to(input_ids.device)
+        checks = torch.stack([input_ids.min().long(), input_ids.max().long(), ((m != 0) & (m != 1)).any().long(),
+                              (m[:, 1:] < m[:, :-1]).any().long(), (m.sum(-1) == 0).any().long()]).tolist()
+    else:
+        checks = torch.stack([input_ids.min().long(), input_ids.max().long()]).tolist() + [0, 0, 0]
+    low, high, not_binary, right_padded, empty_row = checks
+    if low < 0 or high >= vocab:
+        raise ValueError(f"input_ids: ids outside the vocabulary [0, {vocab}) (min {low}, max {high})")
+    if not_binary:
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if right_padded:
+        raise ValueError("attention_mask: padding must be on the left (a row's 0s before its 1s), as for "
+                         "transformers' generate")
+    if empty_row:
+        raise ValueError("attention_mask: a row has no token (all 0)")
+
+
 def _validated_draft(proposal, b: int, k: int, vocab: int) -> Tensor:
     """``draft``'s result as a ``[b, k]`` int64 tensor of ids in ``[0, vocab)``, else a ValueError saying why."""
     what = f"draft must return [{b}, {k}] integer token ids in [0, {vocab})"
@@ -126,7 +168,8 @@ class DecodeState:
     ``batch_size``: real sequences ``b``; ``bucket``: ``B``; ``position``: next free cache slot (host int);
     ``lengths``: ``[B]`` int64 on the device, tokens kept per row (the next token's RoPE position);
     ``adapters``: one name or None per sequence, resolved to slots at prefill (a hot swap into a slot applies from
-    the next step on).
+    the next step on; an adapter unloaded meanwhile makes the next step a RuntimeError, as its slot may hold another
+    adapter by then).
     """
 
     batch_size: int
@@ -137,6 +180,7 @@ class DecodeState:
     token_lora_ids: Tensor  # [B * q] int32 on the device: the step's adapter slots, copied in before each replay
     epoch: int
     pending: int = 0  # tokens fed by the last step that accept() may still drop
+    adapter_slots: dict = dataclasses.field(default_factory=dict)  # name -> slot at prefill, checked every step
 
 
 class DecodeGraphs:
@@ -201,6 +245,13 @@ class DecodeGraphs:
         if max_batch * q > mm.token_lora_ids.numel():
             raise ValueError(f"batch_sizes: {max_batch} x {q} tokens exceed mm.token_lora_ids "
                              f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
+        self.vocab_size = mm.model.get_input_embeddings().num_embeddings
+        where = "pad_token_id"
+        if pad_token_id is None:
+            pad_token_id = getattr(mm.model.generation_config, "pad_token_id", None)
+            pad_token_id = getattr(mm.model.config, "pad_token_id", None) if pad_token_id is None else pad_token_id
+            where = "pad_token_id (the model's generation config / config; pass pad_token_id=)"
+        self.pad_token_id = _token_id(where, 0 if pad_token_id is None else pad_token_id, self.vocab_size)
 
         from ..models.attention import attention_mode, fold_gqa_mode, use_folded_gqa_attention
 
@@ -226,10 +277,6 @@ class DecodeGraphs:
             self._decode_fn, self._prefill_fn = _decode_forward, _prefill_forward
         self.log = log
         config = mm.model.config
-        if pad_token_id is None:
-            pad_token_id = getattr(mm.model.generation_config, "pad_token_id", None)
-            pad_token_id = getattr(config, "pad_token_id", None) if pad_token_id is None else pad_token_id
-        self.pad_token_id = int(pad_token_id or 0)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._num_layers = text_config.num_hidden_layers
         window = _local_attention_window(text_config)
@@ -400,8 +447,7 @@ class DecodeGraphs:
         ``attention_mask [b, S]`` (1 = token, 0 = left padding) for prompts of different lengths, as in
         transformers. ``adapters``: one name or None per sequence (validated as ``mm.forward`` does).
         """
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
+        _check_token_ids("input_ids", input_ids)
         b, S = input_ids.shape
         batch = self.bucket_for(b)
         if S < 1 or S + self.query_len > self.max_cache_len:
@@ -409,8 +455,7 @@ class DecodeGraphs:
                              f"max_cache_len={self.max_cache_len}")
         adapters = None if adapters is None else list(adapters) if not isinstance(adapters, str) else adapters
         self.mm.slots_for(adapters, b)  # same validation (and errors) as mm.forward, before touching anything
-        if attention_mask is not None and tuple(attention_mask.shape) != (b, S):
-            raise ValueError(f"attention_mask must be [{b}, {S}] like input_ids, got {tuple(attention_mask.shape)}")
+        _check_prompt_values(input_ids, attention_mask, self.vocab_size)
         self._epoch += 1
         self._allocate_cache()  # (may run a dummy step: before this prefill fills the static buffers)
         dev = self.device
@@ -435,10 +480,20 @@ class DecodeGraphs:
                 if self._has_logits_to_keep:
                     kwargs["logits_to_keep"] = 1
                 logits = self._prefill_fn(self.mm.model, tokens[:, c0:c1], **kwargs)
-        ids = self.mm.set_token_lora_ids(adapters, self.query_len, batch_size=batch).clone()
+            ids = self.mm.set_token_lora_ids(adapters, self.query_len, batch_size=batch).clone()
+            held = {name: self.mm.slots.slot_of(name) for name in (adapters or ()) if name is not None}
         state = DecodeState(batch_size=b, bucket=batch, adapters=adapters if adapters is not None else [None] * b,
-                            position=S, lengths=lengths, token_lora_ids=ids, epoch=self._epoch)
+                            position=S, lengths=lengths, token_lora_ids=ids, epoch=self._epoch, adapter_slots=held)
         return state, logits[:b, -1]
+
+    def _check_adapters_held(self, state: DecodeState) -> None:
+        """RuntimeError when an adapter of the batch left the slot it had at prefill (unloaded, maybe another
+        adapter in its slot now): its rows would decode with whatever the slot holds. A hot swap keeps the slot."""
+        for name, slot in state.adapter_slots.items():
+            if not self.mm.slots.holds(name, slot):
+                raise RuntimeError(f"adapters: adapter {name!r} was unloaded after this batch's prefill (its slot "
+                                   f"{slot} may hold another adapter now); prefill the batch again (a hot swap with "
+                                   f"load_adapter(..., replace=True) keeps a live batch going)")
 
     def _check_live(self, state: DecodeState) -> None:
         if state.epoch != self._epoch:
@@ -455,18 +510,20 @@ class DecodeGraphs:
         """
         self._check_live(state)
         b, batch, q, p = state.batch_size, state.bucket, self.query_len, state.position
+        _check_token_ids("tokens", tokens)
         if tuple(tokens.shape) != (b, q):
             raise ValueError(f"tokens must be [{b}, {q}] (batch, 1 + num_speculative_tokens), "
                              f"got {tuple(tokens.shape)}")
         if p + q > self.max_cache_len:
             raise ValueError(f"cache full: slot {p} + {q} tokens > max_cache_len={self.max_cache_len}")
-        self._input_ids[:b].copy_(tokens)
-        if batch > b:
-            self._input_ids[b:batch].fill_(self.pad_token_id)
-        self._position_ids[:batch].copy_(state.lengths[:, None] + self._arange_q)
-        self._attention_mask[:batch, p:p + q].fill_(1)
-        self._start.fill_(p)
         with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap
+            self._check_adapters_held(state)
+            self._input_ids[:b].copy_(tokens)
+            if batch > b:
+                self._input_ids[b:batch].fill_(self.pad_token_id)
+            self._position_ids[:batch].copy_(state.lengths[:, None] + self._arange_q)
+            self._attention_mask[:batch, p:p + q].fill_(1)
+            self._start.fill_(p)
             self.mm.write_lora_ids(state.token_lora_ids, q)
             logits = self._run_step(batch)
         state.position += q
@@ -503,11 +560,15 @@ class DecodeGraphs:
     def _special_ids(self, eos_token_id, pad_token_id):
         gen = self.mm.model.generation_config
         eos = gen.eos_token_id if eos_token_id is None else eos_token_id
+        if eos is not None and not isinstance(eos, int) and not (
+                isinstance(eos, (list, tuple)) and all(isinstance(t, int) for t in eos)):
+            raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = [_token_id("eos_token_id", t, self.vocab_size) for t in eos]
         pad = gen.pad_token_id if pad_token_id is None else pad_token_id
         if pad is None:
             pad = eos[0] if eos else self.pad_token_id
-        return torch.tensor(eos, dtype=torch.long, device=self.device), int(pad)
+        return torch.tensor(eos, dtype=torch.long, device=self.device), _token_id("pad_token_id", pad, self.vocab_size)
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, *, adapters: Optional[Sequence[Optional[str]]] = None,
@@ -529,6 +590,7 @@ class DecodeGraphs:
         RuntimeWarning marks the first step where it may differ. ``draft`` must return ``[b, k]`` integer ids in
         ``[0, vocab)`` (a tensor or nested lists); anything else is a ValueError.
         """
+        _check_token_ids("input_ids", input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if self.query_len > 1 and draft is None:

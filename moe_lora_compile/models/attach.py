@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -62,8 +62,10 @@ class MultiLoRAModel(nn.Module):
     ``generate``, ``load_adapter``/``unload_adapter`` (the slot write) and :meth:`manual_token_lora_ids` hold one
     re-entrant lock, ``self.lock``, from writing the ids to the end of the model run: concurrent calls from several
     threads are serialized (each gets exactly the result it would get alone), and a hot swap waits for the running
-    forward, which sees exactly one version of the adapter. Calling ``self.model`` directly bypasses the lock (and
-    the ids): take ``self.lock`` yourself, as :mod:`moe_lora_compile.graphs` does.
+    forward, which sees exactly one version of the adapter. Calling ``self.model`` directly bypasses the lock and
+    runs every row without an adapter (``-1``; never an earlier call's adapters), unless inside
+    :meth:`manual_token_lora_ids`, where the caller writes the ids: take ``self.lock`` yourself, as
+    :mod:`moe_lora_compile.graphs` does.
     """
 
     def __init__(self, model: nn.Module, family: Family, *, max_loras: int, max_rank: int, max_tokens: int,
@@ -235,6 +237,9 @@ class MultiLoRAModel(nn.Module):
                                                     model_type=getattr(self.model.config, "model_type", None),
                                                     model_module=type(self.model).__module__), owner=self.slots,
                                   path=path)
+        if not isinstance(source, Mapping):
+            raise TypeError(f"path must be a PEFT adapter folder (str or os.PathLike) or parsed factors (a dict "
+                            f"{{module name: ExpertsLoRA | LinearLoRA}}), got {type(source).__name__}")
         return self.slots.validate(source)
 
     def _slot_dtypes(self) -> dict[str, torch.dtype]:
@@ -409,25 +414,53 @@ class MultiLoRAModel(nn.Module):
         self._share_id_buffers()
 
     def _batch_size(self, input_ids: Optional[Tensor], kwargs: dict) -> int:
-        tokens = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        """The batch of ``input_ids [B, S]`` (integer ids) or ``inputs_embeds [B, S, D]`` (floating); a ValueError
+        naming the argument for anything else (shape checks only: no host sync)."""
+        embeds = kwargs.get("inputs_embeds")
+        name, tokens, dims = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", embeds, 3)
         if tokens is None:
             raise ValueError("input_ids (or inputs_embeds) is required")
+        if not isinstance(tokens, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
+        wanted_kind = tokens.is_floating_point() if dims == 3 else not (
+            tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool)
+        if tokens.dim() != dims or not wanted_kind or tokens.shape[0] < 1 or tokens.shape[1] < 1:
+            want = "[batch, seq_len] integer token ids" if dims == 2 else "[batch, seq_len, hidden] floats"
+            raise ValueError(f"{name} must be {want} with batch, seq_len >= 1, got {tuple(tokens.shape)} "
+                             f"{tokens.dtype}")
         return tokens.shape[0]
+
+    @contextlib.contextmanager
+    def _selected(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int):
+        """Within: the pre-hook applies ``adapters`` (validated). After it, the previous selection again (at the top
+        level: none), so a later direct call of ``self.model`` runs the base model, never this call's adapters."""
+        with self.lock:
+            previous = self._sequence_slots
+            self._select(adapters, batch_size)
+            try:
+                yield
+            finally:
+                self._sequence_slots = previous
 
     def forward(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
                 **kwargs):
         """The wrapped model's forward (``input_ids [B,S]`` -> its output, e.g. ``.logits [B,S,V]``) with
         ``adapters[b]`` applied to sequence ``b``."""
-        with self.lock:
-            self._select(adapters, self._batch_size(input_ids, kwargs))
+        with self._selected(adapters, self._batch_size(input_ids, kwargs)):
             return self.model(input_ids=input_ids, **kwargs)
 
     @torch.no_grad()
     def generate(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
                  **kwargs):
-        """``model.generate`` (KV cache as usual) with ``adapters[b]`` applied to sequence ``b`` at every step."""
-        with self.lock:
-            self._select(adapters, self._batch_size(input_ids, kwargs))
+        """``model.generate`` (KV cache as usual) with ``adapters[b]`` applied to sequence ``b`` at every step.
+        Prompt ids outside the vocabulary are a ValueError (one host sync, before anything runs)."""
+        batch = self._batch_size(input_ids, kwargs)
+        if input_ids is not None:
+            vocab = self.model.get_input_embeddings().num_embeddings
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= vocab:
+                raise ValueError(f"input_ids: ids outside the vocabulary [0, {vocab}) (min {low}, max {high})")
+        with self._selected(adapters, batch):
             return self.model.generate(input_ids=input_ids, **kwargs)
 
 

@@ -312,15 +312,22 @@ class AdapterStore:
         return weights, time.perf_counter() - start
 
     def _full_message(self, wanted, missing, free) -> str:
+        """Why ``missing`` (of the request's ``wanted``) find no slot: where each of the slots went."""
         L = self.mm.max_loras
-        held = sorted(n for n in self._lru if self._in_use.get(n))
+        own = sorted(n for n in self._lru if n in wanted)
+        held = sorted(n for n in self._lru if self._in_use.get(n) and n not in wanted)
         outside = sorted(set(self.mm.adapters) - set(self._lru))
-        text = (f"adapters: no slot for {missing}: all {L} slots are taken by adapters in use by in-flight requests "
-                f"({held})")
+        where = [f"{len(free)} free"]
+        if own:
+            where.append(f"{len(own)} holding this request's own adapters {own}")
+        if held:
+            where.append(f"{len(held)} held by in-flight requests {held}")
         if outside:
-            text += f" or loaded into the model outside the store ({outside})"
-        if len(wanted) > L:
-            text += f"; this request alone uses {len(wanted)} adapters, more than max_loras={L}"
+            where.append(f"{len(outside)} loaded into the model outside the store {outside}")
+        text = f"adapters: no slot for {missing}: of the {L} slots, {', '.join(where)}"
+        if len(wanted) > L - len(outside):
+            text += (f"; this request alone uses {len(wanted)} adapters, more than the {L - len(outside)} slots the "
+                     f"store can use")
         return text + "; release finished requests first, or attach with a larger max_loras"
 
     def _write(self, name: str, slot: int, victim: Optional[str], weights: AdapterWeights) -> None:

@@ -289,12 +289,35 @@ def test_slots_full(mm, adapters):
     (lambda mm, ids: mm.unload_adapter("nope"), KeyError, "unknown adapter 'nope'"),        # unload unknown
     (lambda mm, ids: mm.load_adapter("x", "/nonexistent"), ValueError, "replace=True"),     # name taken
     (lambda mm, ids: mm.load_adapter("", "/nonexistent"), TypeError, "non-empty str"),      # empty name
+    (lambda mm, ids: mm.load_adapter("z", None), TypeError, "PEFT adapter folder"),         # no path
+    (lambda mm, ids: mm.load_adapter_weights("z", {}), ValueError, "no LoRA factors"),      # nothing to serve
+    (lambda mm, ids: mm(ids[0]), ValueError, r"\[batch, seq_len\] integer"),               # 1-D ids
+    (lambda mm, ids: mm(ids[0], adapters=["x"]), ValueError, r"\[batch, seq_len\] integer"),  # 1-D, with adapters
+    (lambda mm, ids: mm(ids[:, None]), ValueError, r"\[batch, seq_len\] integer"),         # 3-D ids
+    (lambda mm, ids: mm(ids[:0]), ValueError, "batch, seq_len >= 1"),                       # empty batch
+    (lambda mm, ids: mm(ids[:, :0]), ValueError, "batch, seq_len >= 1"),                    # empty sequences
+    (lambda mm, ids: mm(ids.float()), ValueError, "integer token ids"),                     # float ids
+    (lambda mm, ids: mm(ids.tolist()), TypeError, "must be a torch.Tensor"),                # a list
+    (lambda mm, ids: mm.generate(ids + 1000, max_new_tokens=1), ValueError, r"outside the vocabulary \[0, 128\)"),
 ])
 def test_bad_calls(mm, call, error, message):
     ids = torch.randint(3, 128, (2, 4))
     with pytest.raises(error, match=message):
         call(mm, ids)
     assert mm.adapters == {"x": 0, "y": 1}
+
+
+def test_direct_call_after_a_call_with_adapters_runs_the_base_model(mm, adapters):
+    """The adapters of a ``mm(...)`` call end with it: a later direct call of the wrapped model (which bypasses
+    the adapter selection) runs every row without LoRA, never repeating the last caller's adapters."""
+    ids = torch.randint(3, 128, (4, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with_lora = mm(ids[:2], adapters=["x", "y"]).logits
+        direct = mm.model(input_ids=ids).logits
+        base = adapters["base"](ids).logits
+        assert mm(ids[:2], adapters=None).logits.shape == with_lora.shape
+    torch.testing.assert_close(direct, base, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(with_lora, base[:2], atol=1e-3)  # the adapters did change the first call
 
 
 def test_unsupported_model_lists_families():

@@ -201,6 +201,68 @@ def test_clear_errors(setup):
         DecodeGraphs(mm, batch_sizes=(4096,), num_speculative_tokens=3, capture=False)
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda g, p: g.generate(p.float(), max_new_tokens=2), ValueError, "integer token ids"),      # float ids
+    (lambda g, p: g.generate(p.bool(), max_new_tokens=2), ValueError, "integer token ids"),       # bool ids
+    (lambda g, p: g.generate(p.tolist(), max_new_tokens=2), TypeError, "must be a torch.Tensor"),  # a list
+    (lambda g, p: g.prefill(p + 200), ValueError, r"outside the vocabulary \[0, 128\)"),         # ids >= vocab
+    (lambda g, p: g.prefill(p - 200), ValueError, "outside the vocabulary"),                      # negative ids
+    (lambda g, p: g.generate(p, max_new_tokens=2, attention_mask=torch.full_like(p, 2)),          # mask of 2s
+     ValueError, "only 0 .padding. and 1"),
+    (lambda g, p: g.generate(p, max_new_tokens=2, attention_mask=torch.full(p.shape, 0.5)),       # fractional
+     ValueError, "only 0 .padding. and 1"),
+    (lambda g, p: g.generate(p, max_new_tokens=2,                                                 # right padding
+                             attention_mask=torch.ones_like(p).index_fill_(1, torch.tensor([5]), 0)),
+     ValueError, "padding must be on the left"),
+    (lambda g, p: g.generate(p, max_new_tokens=2, attention_mask=torch.ones_like(p).index_fill_(0, torch.tensor([1]),
+                                                                                                0)),
+     ValueError, "a row has no token"),                                                           # an empty row
+    (lambda g, p: g.generate(p, max_new_tokens=2, pad_token_id=-1), ValueError, "pad_token_id must be a token id"),
+    (lambda g, p: g.generate(p, max_new_tokens=2, eos_token_id="x"), ValueError, "eos_token_id must be an int"),
+    (lambda g, p: g.generate(p, max_new_tokens=2, eos_token_id=[1, 500]), ValueError, r"got 500"),
+    (lambda g, p: DecodeGraphs(g.mm, batch_sizes=(4,), capture=False, pad_token_id=999), ValueError,
+     r"pad_token_id must be a token id in \[0, 128\), got 999"),
+])
+def test_bad_token_inputs(setup, call, error, message):
+    """Ids, masks and special tokens are checked before anything runs: a float id would be truncated, a mask of
+    2s or right padding would shift positions, an out-of-range id is a device-side assert on CUDA."""
+    graphs = DecodeGraphs(setup.model, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+    with pytest.raises(error, match=message):
+        call(graphs, setup.input_ids)
+
+
+def test_unloaded_adapter_ends_the_live_batch_and_a_hot_swap_does_not(setup):
+    """A batch's adapters are resolved to slots at prefill: unloading one (its slot free for another tenant's
+    adapter) makes the next step an error, instead of decoding its rows with the new slot content; a hot swap
+    (replace=True) keeps the slot and the batch goes on with the new weights, as documented."""
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=32, capture=False, log=None)
+    alpha_slot = mm.adapters["alpha"]
+    token = _tokens((2, 1), seed=7)
+    state, _ = graphs.prefill(prompt[:2], adapters=["alpha", None])
+    graphs.step(state, token)
+    try:
+        mm.unload_adapter("alpha")
+        assert mm.load_adapter("intruder", os.path.join(setup.workdir, "gamma")) == alpha_slot
+        with pytest.raises(RuntimeError, match="adapter 'alpha' was unloaded after this batch's prefill"):
+            graphs.step(state, token)
+    finally:
+        if "intruder" in mm.adapters:
+            mm.unload_adapter("intruder")
+        if "alpha" not in mm.adapters:
+            assert mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha")) == alpha_slot
+    state, _ = graphs.prefill(prompt[:2], adapters=["alpha", None])
+    graphs.step(state, token)
+    try:
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "gamma"), replace=True)
+        seq = torch.cat([prompt[:2], token, token], dim=1)
+        logits = graphs.step(state, token)  # the prompt's cache was made with alpha, this token with gamma
+        assert logits.shape == (2, 1, 128)
+        torch.testing.assert_close(logits[1:, 0], _eager_logits(mm, seq[1:], [None])[:, -1], atol=ATOL, rtol=0)
+    finally:
+        mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha"), replace=True)
+
+
 def test_token_lora_ids_api(setup):
     """MultiLoRAModel.set_token_lora_ids pads with -1; inside manual_token_lora_ids the pre-hook keeps its hands
     off the buffer."""

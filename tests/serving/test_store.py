@@ -131,9 +131,12 @@ def test_in_use_adapters_are_never_evicted_and_a_full_cache_changes_nothing(setu
     assert store.acquire(["c"]) == [1]              # evicts b, not the older but held a
     assert store.resident == {"a": 0, "c": 1} and store.in_use == {"a": 1, "c": 1}
     before = _snapshot(mm, store)
-    with pytest.raises(RuntimeError, match=r"no slot for \['d'\].*in use by in-flight requests \(\['a', 'c'\]\)"):
+    with pytest.raises(RuntimeError, match=r"no slot for \['d'\]: of the 2 slots, 0 free, 2 held by in-flight "
+                                           r"requests \['a', 'c'\]"):
         store.acquire(["d"])
-    with pytest.raises(RuntimeError, match="more than max_loras=2"):
+    with pytest.raises(RuntimeError, match=r"0 free, 1 holding this request's own adapters \['a'\], 1 held by "
+                                           r"in-flight requests \['c'\]; this request alone uses 3 adapters, more "
+                                           r"than the 2 slots"):
         store.acquire(["a", "d", "e"])
     _assert_same(before, _snapshot(mm, store))
     # a second hold of a held adapter is a hit and needs no slot
@@ -248,7 +251,9 @@ def test_adapters_loaded_directly_keep_their_slot(setup):
         assert _logits(mm, store, setup, [name, None]) is not None
         assert mm.adapters["direct"] == 0 and store.resident == {name: 1}
     with store.use(["a"]):
-        with pytest.raises(RuntimeError, match=r"loaded into the model outside the store \(\['direct'\]\)"):
+        with pytest.raises(RuntimeError, match=r"no slot for \['b'\]: of the 2 slots, 0 free, 1 held by in-flight "
+                                               r"requests \['a'\], 1 loaded into the model outside the store "
+                                               r"\['direct'\]"):
             store.acquire(["b"])
 
 

@@ -96,8 +96,9 @@ class MoEKernelConfig:
     field existed, or a config that leaves it out) = :func:`default_per_pair_shrink` of the call.
     ``w2_sum_in_loop``: the w2 kernel sums the w2 shrink's rank-vector slices (one per w13 column tile with the
     fused shrink2) one slice a K step inside its main loop, instead of in a chain of loads after it (bf16 experts,
-    w2 without split-K; True, the default since the H100's whole-step A/B of 2026-12-06: GPT-OSS-20B decode at
-    batch 1 with 8 adapters 4.00 -> 3.94 ms a step, batch 8 unchanged)."""
+    w2 without split-K; True, the default since the H100 whole-step A/Bs of 2026-12-06: GPT-OSS-20B decode at
+    batch 1 with 8 adapters 4.00 -> 3.94 ms a step on one H100, 3.95 both ways on a second, batch 8 unchanged on
+    both; not measured on the H200)."""
 
     per_pair: bool
     BLOCK_M: int
@@ -194,8 +195,8 @@ class LinearKernelConfig:
     expand_slots: int = 1  # 8 (the grouped expand, 143-192 registers) ran GPT-OSS decode at batch 8 slower in
     # the whole model (H200, 2026-12-04: 9.67 against 8.85 ms a step before it, with the MoE rank masks in the
     # same tree): off until the tuner picks it for a shape (its stage 2 tries 1, 4, 8)
-    spread_expand: bool = True  # H100 whole-step A/B (2026-12-06): GPT-OSS-20B decode at batch 8 with 8 adapters
-    # 11.85 -> 11.65 ms a step (batch 1 takes the GEMV: unchanged)
+    spread_expand: bool = True  # H100 whole-step A/Bs (2026-12-06): GPT-OSS-20B decode at batch 8 with 8 adapters
+    # 11.85 -> 11.65 ms a step on one H100, 11.66 both ways on a second; batch 1 takes the GEMV; H200 not measured
 
     def __post_init__(self):
         if self.pdl is not None:
