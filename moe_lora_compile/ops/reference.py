@@ -155,7 +155,9 @@ def lora_linear_reference(
     One shrink over all L slots (cheap), then each token keeps only its own slot's rank vector (``where``, so a
     non-finite value from another slot's A is dropped, not multiplied by 0) and one expand over the ``[L*R]`` axis
     (no per-token gather of B). Non-finite entries of B are zeroed for that expand, where the other tokens' zeros
-    meet them; a token whose own slot's B has one gets NaN instead (``poison``), as a per-slot loop would.
+    meet them; a token whose own slot's B has one gets NaN instead (``poison``) in every output column, where a
+    per-slot loop (and the Triton kernels) give a non-finite value in that entry's column only: the token's row is
+    non-finite either way, and no other token's is.
     ``lora_ranks`` [L] or [n, L] (n rank blocks) or None: each slot's rank (see :mod:`.contract`); entries past it
     are dropped first (so they can poison nothing).
     """

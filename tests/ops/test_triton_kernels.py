@@ -201,21 +201,26 @@ def test_strided_routing_ids_are_read_as_such(per_pair, k):
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair"])
-def test_out_of_range_slots_reaching_the_kernels_are_no_adapter(per_pair):
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_out_of_range_slots_reaching_the_kernels_are_no_adapter(per_pair, ids_dtype):
     """Slot ids outside [-1, L) that skip the op's checks (checks off inside CUDA graphs, MOE_LORA_CHECK_IDS=0) are
     read as -1 by every kernel: before, L indexed past the stacks (sorted mode: an out-of-bounds atomic in the
-    routing, a process abort) and -2 took another expert's segment."""
+    routing, a process abort) and -2 took another expert's segment. int64 ids are tested before any cast: 2**32 + 1
+    and -2**32 + 1 would be slot 1 (another tenant's adapter) once truncated to int32."""
+    wide = ids_dtype == torch.int64
     c = kernel_case(T=6, lora="all", L=2)
     args, kwargs = c.make(DEVICE)
     args = list(args)
-    args[3] = torch.tensor([0, 2, -2, 1, 7, -9], dtype=torch.int32, device=DEVICE)
+    args[3] = torch.tensor([0, 2, 2**32 + 1 if wide else -2, 1, 7, -2**32 + 1 if wide else -9], dtype=ids_dtype,
+                           device=DEVICE)
     y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(per_pair))
-    args[3] = torch.tensor([0, -1, -1, 1, -1, -1], dtype=torch.int32, device=DEVICE)
+    args[3] = torch.tensor([0, -1, -1, 1, -1, -1], dtype=ids_dtype, device=DEVICE)
     torch.testing.assert_close(y.cpu().double(), oracle(args, kwargs), rtol=1e-4, atol=1e-4)
     g = torch.Generator().manual_seed(0)
     x, w, a, b = (torch.randn(*shape, generator=g) for shape in ((4, 32), (24, 32), (2, 16, 32), (2, 24, 16)))
     for gemv in (True, False):
-        dev = [t.to(DEVICE) for t in (x, w, a, b, torch.tensor([1, 2, -3, 0], dtype=torch.int32))]
+        ids = torch.tensor([1, 2**32 + 1 if wide else 2, -3, 0], dtype=ids_dtype)
+        dev = [t.to(DEVICE) for t in (x, w, a, b, ids)]
         y = lora_linear_triton(*dev, config={"BLOCK_M": 16, "per_token": gemv, "gemv": gemv,
                                              "gemm": asdict(GemmConfig(BLOCK_N=16, BLOCK_K=16, GROUP_SIZE_M=2,
                                                                        num_warps=4, num_stages=1)),

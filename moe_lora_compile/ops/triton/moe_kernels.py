@@ -119,12 +119,13 @@ def _block_rows(pid_m, row_pair_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, 
 def load_slots(token_lora_ptr, index, mask, num_slots):
     """``token_lora_ids[index]`` as int32, ``-1`` where ``mask`` is off (None: a scalar load) or the id lies outside
     ``[0, num_slots)``: the op's checks refuse such ids, but they are off inside CUDA graphs (and with
-    ``MOE_LORA_CHECK_IDS=0``), and a kernel must never index a slot past the stacks."""
+    ``MOE_LORA_CHECK_IDS=0``), and a kernel must never index a slot past the stacks. The range test reads the id in
+    its own dtype, before the cast: an int64 id of ``2**32 + s`` is no adapter, not slot ``s``."""
     if mask is None:
-        lora = tl.load(token_lora_ptr + index).to(tl.int32)
+        lora = tl.load(token_lora_ptr + index)
     else:
-        lora = tl.load(token_lora_ptr + index, mask=mask, other=_NO_ADAPTER).to(tl.int32)
-    return tl.where((lora >= 0) & (lora < num_slots), lora, _NO_ADAPTER)
+        lora = tl.load(token_lora_ptr + index, mask=mask, other=_NO_ADAPTER)
+    return tl.where((lora >= 0) & (lora < num_slots), lora, _NO_ADAPTER).to(tl.int32)
 
 
 @triton.jit
