@@ -59,6 +59,10 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
     backend = torch_compile_kwargs.get("backend", "inductor")
     if backend != "inductor":
         raise ValueError(f"backend must be 'inductor' (the pass is an Inductor post-grad pass), got {backend!r}")
+    given = (torch_compile_kwargs.get("options") or {}).get(_PASS_KEY)
+    if pass_options is not None and isinstance(given, MoELoRAPass):
+        raise ValueError(f"pass_options: options[{_PASS_KEY!r}] already holds a MoELoRAPass, which would be used "
+                         f"as it is; give its options to that pass (MoELoRAPass(**pass_options)) or leave it out")
     custom_pass = MoELoRAPass(**(pass_options or {}))
     kwargs = dict(torch_compile_kwargs)
     kwargs["options"] = inductor_options(kwargs.pop("options", None), kwargs.pop("mode", None), custom_pass)
@@ -70,9 +74,44 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
         inner = model.model
         original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
         inner.__dict__[_ORIGINAL_FORWARD] = original
-        inner.forward = _announce_first_call(without_duck_sizing(torch.compile(original, **kwargs)))
+        inner.forward = _announce_first_call(without_duck_sizing(_with_stable_kv_cache(torch.compile(original,
+                                                                                                      **kwargs))))
         return model
     return torch.compile(model, **kwargs)
+
+
+# Graphs one compiled MultiLoRAModel forward may need under mm.generate with transformers' dynamic KV cache: prefill
+# and decode, for batch 1 and the others (Dynamo specializes a size of 1), times the states of a sliding-window
+# layer (GPT-OSS: within the window, crossing it, past it). Dynamo's default limit, 8, would send the rest eager.
+GENERATE_RECOMPILE_LIMIT = 16
+
+
+def _with_stable_kv_cache(fn: Callable) -> Callable:
+    """``fn`` (the compiled forward of a MultiLoRAModel's inner model) with the KV cache's tensors made contiguous
+    before each call, and Dynamo's recompile limit at least :data:`GENERATE_RECOMPILE_LIMIT` during it. transformers'
+    dynamic cache keeps the prefill's keys/values as the attention's transposed views and a sliding layer's as
+    slices, whose strides differ from the concatenated tensors of later steps: each layout was a new graph (a
+    stride guard), two more per batch class. A copy of the cache when its layout is not contiguous (once per
+    generate for full layers; each step for a sliding layer past its window) keeps one decode graph."""
+
+    @functools.wraps(fn)
+    def stable_cache(*args, **kwargs):
+        for key in ("past_key_values", "cache"):
+            for layer in getattr(kwargs.get(key), "layers", None) or ():
+                for attr in ("keys", "values"):
+                    tensor = getattr(layer, attr, None)
+                    if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
+                        setattr(layer, attr, tensor.contiguous())
+        limit = max(torch._dynamo.config.recompile_limit, GENERATE_RECOMPILE_LIMIT)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            return fn(*args, **kwargs)
+
+    return stable_cache
+
+
+def is_compiled(mm: Any) -> bool:
+    """Whether :func:`compile` compiled this MultiLoRAModel's forward."""
+    return _ORIGINAL_FORWARD in getattr(mm, "model", mm).__dict__
 
 
 def without_duck_sizing(fn: Callable) -> Callable:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import warnings
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -405,9 +406,16 @@ class MultiLoRAModel(nn.Module):
         self.token_lora_ids[:num_tokens].copy_(per_sequence.repeat_interleave(seq_len))
 
     def _grow(self, num_tokens: int) -> None:
-        size = self.token_lora_ids.numel()
+        size = old = self.token_lora_ids.numel()
         while size < num_tokens:
             size *= 2
+        from ..compile import is_compiled
+
+        if is_compiled(self):  # the compiled code guards on the buffer's size: this batch compiles the model again
+            warnings.warn(f"a forward of {num_tokens} tokens exceeds max_tokens: the per-token adapter-id buffers grow "
+                          f"from {old} to {size}, and the compiled model compiles again for the new size (another "
+                          f"graph; captured CUDA graphs keep the old buffers); attach with max_tokens >= the largest "
+                          f"batch x length", RuntimeWarning, stacklevel=2)
         device = self.token_lora_ids.device
         self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
         self.sequence_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)

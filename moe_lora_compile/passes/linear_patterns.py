@@ -16,7 +16,7 @@ Hand-written for the same reasons as :mod:`.moe_patterns` (casts, views and symb
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch.fx import Node
@@ -36,7 +36,7 @@ class LinearMatch:
     lora_a: Node  # [L, R, in] (multi) or [R, in] (peft)
     lora_b: Node  # [L, out, R] (multi) or [out, R] (peft)
     token_lora_ids: Optional[Node]  # None for peft
-    scale: float = 1.0
+    scale: Union[float, Node] = 1.0  # peft: a number, or a node of a scalar (symbolic or a 0-d tensor)
     lora_ranks: Optional[Node] = None  # multi with rank-masked factors: each slot's rank, [L] or [n, L] int
 
     def describe(self) -> str:
@@ -129,13 +129,27 @@ def _is_slot_range(node, n_slots) -> bool:
                    aten.arange.start_step) and same_shape(src, (n_slots,))
 
 
-def _peft_delta(term) -> Optional[tuple[Node, Node, Node, float]]:
-    """``mm(mm(x, A^T), B^T) * s`` -> ``(x, A, B, s)``, else None."""
+def _scalar_scale(value) -> bool:
+    """Whether ``value`` (a ``mul``'s second argument) is one scalar: a number, or a node holding a symbolic number or
+    a 0-d tensor (PEFT's scaling once Dynamo makes it an input: after ``set_scale`` / ``scale_layer`` on a compiled
+    model, or made a tensor by ``prepare_model_for_compiled_hotswap``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True
+    if not isinstance(value, Node):
+        return False
+    v = val(value)
+    return isinstance(v, (torch.SymInt, torch.SymFloat)) or (isinstance(v, torch.Tensor) and v.dim() == 0
+                                                              and not v.dtype.is_complex and v.dtype != torch.bool)
+
+
+def _peft_delta(term) -> Optional[tuple[Node, Node, Node, Union[float, Node]]]:
+    """``mm(mm(x, A^T), B^T) * s`` -> ``(x, A, B, s)`` (``s`` a number, or a node of a scalar), else None."""
     scale = 1.0
     if isinstance(term, Node):
         node = skip(term)
-        if is_call(node, aten.mul.Tensor) and isinstance(node.args[1], (int, float)):
-            scale, term = float(node.args[1]), node.args[0]
+        if is_call(node, aten.mul.Tensor) and _scalar_scale(node.args[1]):
+            scale = node.args[1] if isinstance(node.args[1], Node) else float(node.args[1])
+            term = node.args[0]
         mm = _mm_of(term)
         if mm is None:
             return None
@@ -200,7 +214,7 @@ def emit_lora_linear(graph, m: LinearMatch) -> Node:
     """Insert the ``lora_linear`` call for ``m`` and return its node."""
     a, b, ids = m.lora_a, m.lora_b, m.token_lora_ids
     if m.form == "peft":
-        if m.scale != 1.0:
+        if isinstance(m.scale, Node) or m.scale != 1.0:
             b = insert_call(graph, aten.mul.Tensor, (b, m.scale))
         a = insert_call(graph, aten.unsqueeze.default, (a, 0))
         b = insert_call(graph, aten.unsqueeze.default, (b, 0))

@@ -7,6 +7,7 @@ that is 1 at run time (ConstraintViolationError), and ``backed_size_oblivious`` 
 SDPA integration (``is_causal = q_len > 1`` becomes a SymBool that ``scaled_dot_product_attention`` refuses).
 """
 
+import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 from transformers import AutoModelForCausalLM
@@ -35,3 +36,52 @@ def test_dynamic_true_compiles_at_most_four_graphs():
     finally:
         torch._dynamo.reset()
     assert counter.frame_count == 4
+
+
+
+def test_generate_under_mlc_compile_keeps_one_decode_graph():
+    """``mm.generate`` on ``mlc.compile(mm, dynamic=True)`` (Inductor, the pass): the prefill leaves transformers'
+    dynamic KV cache as the attention's transposed views, later steps as concatenated tensors; the compiled forward
+    makes them contiguous first, so the decode steps share one graph (their strides were a guard: a second decode
+    graph per batch class). Tokens equal the eager model's."""
+    import moe_lora_compile as mlc
+
+    torch.manual_seed(0)
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=2, max_rank=4,
+                max_tokens=64)
+    prompts = [torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(i))
+               for i, shape in enumerate([(3, 6), (2, 9)])]
+
+    def run():
+        return [mm.generate(p, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0) for p in prompts]
+
+    eager = run()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    try:
+        mlc.compile(mm, dynamic=True)
+        with mlc.pass_runs():
+            compiled = run()
+            graphs = counters["stats"]["unique_graphs"]
+            # a batch past max_tokens grows the id buffers: a new graph the user caused, and told of
+            with pytest.warns(RuntimeWarning, match="exceeds max_tokens: .* grow from 64 to 128, and the compiled "
+                                                    "model compiles again"), torch.no_grad():
+                mm(torch.randint(3, 128, (9, 8)), use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    assert graphs == 2  # the prefill and the decode step
+    for ours, theirs in zip(compiled, eager):
+        assert torch.equal(ours, theirs)
+
+
+def test_compiled_forward_runs_with_the_raised_recompile_limit():
+    """The same wrapper raises Dynamo's recompile limit during the call (GPT-OSS's sliding layers under the dynamic
+    cache need ~5 graphs per batch class; at the default 8 the rest ran eagerly) and leaves it as it was after."""
+    from moe_lora_compile.compile import GENERATE_RECOMPILE_LIMIT, _with_stable_kv_cache
+
+    seen = []
+    before = torch._dynamo.config.recompile_limit
+    _with_stable_kv_cache(lambda: seen.append(torch._dynamo.config.recompile_limit))()
+    assert seen == [max(before, GENERATE_RECOMPILE_LIMIT)] and seen[0] > 8
+    assert torch._dynamo.config.recompile_limit == before

@@ -154,6 +154,17 @@ def test_compile_refuses_other_backends():
         compile_model(nn.Linear(2, 2), backend="eager")
 
 
+def test_compile_refuses_pass_options_beside_a_given_pass():
+    """pass_options with a MoELoRAPass already in options: that pass would run as it is, the options unused."""
+    from moe_lora_compile.compile import compile as compile_model
+    from moe_lora_compile.passes import MoELoRAPass
+
+    with pytest.raises(ValueError, match="pass_options: options.*already holds a MoELoRAPass"):
+        compile_model(nn.Linear(2, 2), pass_options={"linear": False},
+                      options={"post_grad_custom_post_pass": MoELoRAPass()})
+    compile_model(nn.Linear(2, 2), options={"post_grad_custom_post_pass": MoELoRAPass(linear=False)})  # fine
+
+
 def test_vllm_adapter(monkeypatch):
     """Without vLLM: a clear ImportError. With vLLM's InductorPass importable (stubbed here): an instance of it
     with our uuid scheme."""
