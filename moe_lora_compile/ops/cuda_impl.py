@@ -1,11 +1,13 @@
 """CUDA impls of the ops: the Triton kernels of :mod:`.triton`, the reference for what they do not cover (float64,
-or LoRA/weight dtypes that differ from ``x``'s).
+or LoRA/weight dtypes that differ from ``x``'s: a RuntimeWarning, once per op and dtypes).
 
 ``MOE_LORA_CHECK_IDS=0`` turns off the on-device range asserts of ``topk_ids`` / ``token_lora_ids`` (they never
 sync the host, but cost a small launch each).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -23,11 +25,28 @@ def check_values_on_device() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def _kernel_covers(x: torch.Tensor, *others) -> bool:
-    """The kernels take one float dtype (fp32/fp16/bf16) for x, weights, biases and LoRA stacks."""
+_WARNED: set = set()  # (op, dtypes) whose fallback to the reference has been reported
+
+
+def _kernel_covers(op: str, x: torch.Tensor, **others) -> bool:
+    """The kernels take one float dtype (fp32/fp16/bf16) for x, weights, biases and LoRA stacks. Otherwise the call
+    runs the reference; where x's dtype is one the kernels take and others differ (a mistake more often than a
+    choice: float64 is the reference's on purpose), a RuntimeWarning says so, once per op and dtypes."""
     from .triton.launch import SUPPORTED_DTYPES
 
-    return x.dtype in SUPPORTED_DTYPES and all(t is None or t.dtype == x.dtype for t in others)
+    if x.dtype not in SUPPORTED_DTYPES:
+        return False
+    other = {name: t.dtype for name, t in others.items() if t is not None and t.dtype != x.dtype}
+    if not other:
+        return True
+    key = (op, x.dtype, tuple(sorted(other.items(), key=str)))
+    if key not in _WARNED:
+        _WARNED.add(key)
+        listed = ", ".join(f"{name} {dtype}" for name, dtype in other.items())
+        warnings.warn(f"{op} on CUDA: x is {x.dtype} but {listed}; the Triton kernels take one dtype for all of them, "
+                      f"so this runs the PyTorch reference (slower, and memory-heavy at large token counts); cast them "
+                      f"to x's dtype to run the kernels", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
@@ -35,8 +54,8 @@ def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora
     """Same signature and result as :func:`.reference.fused_moe_lora_reference`; y [T, H] in x.dtype, written into
     ``out`` (and returned) when given."""
     args = (x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2)
-    if _kernel_covers(x, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2, kwargs.get("w13_bias"),
-                      kwargs.get("w2_bias")):
+    if _kernel_covers("fused_moe_lora", x, w13=w13, w2=w2, lora_a13=lora_a13, lora_b13=lora_b13, lora_a2=lora_a2,
+                      lora_b2=lora_b2, w13_bias=kwargs.get("w13_bias"), w2_bias=kwargs.get("w2_bias")):
         from .triton.launch import fused_moe_lora_triton
 
         return fused_moe_lora_triton(*args, out=out, **kwargs)
@@ -46,7 +65,7 @@ def fused_moe_lora_cuda(x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora
 
 def lora_linear_cuda(x, weight, lora_a, lora_b, token_lora_ids, *, bias=None, lora_ranks=None):
     """Same signature and result as :func:`.reference.lora_linear_reference`; y [T, out] in x.dtype."""
-    if _kernel_covers(x, weight, lora_a, lora_b, bias):
+    if _kernel_covers("lora_linear", x, weight=weight, lora_a=lora_a, lora_b=lora_b, bias=bias):
         from .triton.launch import lora_linear_triton
 
         return lora_linear_triton(x, weight, lora_a, lora_b, token_lora_ids, bias=bias, lora_ranks=lora_ranks)

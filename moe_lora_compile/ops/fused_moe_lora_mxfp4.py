@@ -95,7 +95,8 @@ def _fused_moe_lora_mxfp4_cuda(x, topk_ids, topk_weights, token_lora_ids, w13_bl
     _check(*args, w13_bias, w2_bias, lora_ranks, layout, activation, values=cuda_impl.check_values_on_device())
     kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
                   limit=limit, routing_weight_on_input=routing_weight_on_input, lora_ranks=lora_ranks)
-    if cuda_impl._kernel_covers(x, lora_a13, lora_b13, lora_a2, lora_b2, w13_bias, w2_bias):
+    if cuda_impl._kernel_covers("fused_moe_lora_mxfp4", x, lora_a13=lora_a13, lora_b13=lora_b13, lora_a2=lora_a2,
+                                lora_b2=lora_b2, w13_bias=w13_bias, w2_bias=w2_bias):
         from .triton.launch import fused_moe_lora_mxfp4_triton
 
         return fused_moe_lora_mxfp4_triton(*args, **kwargs)

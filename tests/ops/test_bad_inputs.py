@@ -258,3 +258,27 @@ def test_cuda_id_check_fails_the_launch(ids, fails):
         assert "token_lora_ids values must lie in [-1, 3)" in child.stdout + child.stderr
     else:
         assert child.returncode == 0 and "finished" in child.stdout, child.stderr[-2000:]
+
+
+def test_mixed_dtypes_on_cuda_run_the_reference_and_say_so():
+    """The CUDA impls send dtypes the kernels do not take (x bf16, LoRA stacks fp32: what a PEFT model keeps) to the
+    reference, with one RuntimeWarning per op and dtypes; the same dtypes all round need no warning. Called here
+    on CPU tensors: the fallback itself is device-agnostic, and the result must equal the reference."""
+    import warnings as w
+
+    from moe_lora_compile.ops import cuda_impl
+    from moe_lora_compile.ops.reference import lora_linear_reference
+
+    g = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(3, 8, generator=g).bfloat16(), torch.randn(6, 8, generator=g).bfloat16()
+    a, b = torch.randn(2, 4, 8, generator=g), torch.randn(2, 6, 4, generator=g)
+    ids = torch.tensor([0, -1, 1], dtype=torch.int32)
+    cuda_impl._WARNED.clear()
+    with pytest.warns(RuntimeWarning, match=r"lora_linear on CUDA: x is torch.bfloat16 but lora_a torch.float32, "
+                                            r"lora_b torch.float32; .* runs the PyTorch reference"):
+        y = cuda_impl.lora_linear_cuda(x, weight, a, b, ids)
+    torch.testing.assert_close(y, lora_linear_reference(x, weight, a, b, ids), rtol=0, atol=0)
+    with w.catch_warnings():
+        w.simplefilter("error")
+        cuda_impl.lora_linear_cuda(x, weight, a, b, ids)  # once per op and dtypes
+        assert not cuda_impl._kernel_covers("lora_linear", x.double(), weight=weight.double())  # float64: no warning
