@@ -45,7 +45,9 @@ def _kernel_covers(op: str, x: torch.Tensor, **others) -> bool:
         listed = ", ".join(f"{name} {dtype}" for name, dtype in other.items())
         warnings.warn(f"{op} on CUDA: x is {x.dtype} but {listed}; the Triton kernels take one dtype for all of them, "
                       f"so this runs the PyTorch reference (slower, and memory-heavy at large token counts); cast them "
-                      f"to x's dtype to run the kernels", RuntimeWarning, stacklevel=3)
+                      f"to x's dtype to run the kernels (a PeftModel keeps its LoRA weights in float32 on a half "
+                      f"model: load it with autocast_adapter_dtype=False, or cast it after loading)", RuntimeWarning,
+                      stacklevel=3)
     return False
 
 
