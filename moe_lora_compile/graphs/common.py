@@ -25,10 +25,12 @@ def compile_options(compile) -> Optional[dict]:
                          f"use the default mode or 'max-autotune-no-cudagraphs'")
     if "dynamic" in options:
         raise ValueError("compile: 'dynamic' is chosen here (decode steps static per bucket, prefill dynamic)")
-    if "mode" not in options and options.get("backend", "inductor") == "inductor":  # mode or options, not both
-        from ..compile import DEFAULT_INDUCTOR_OPTIONS
+    if options.get("backend", "inductor") == "inductor":  # torch.compile takes mode or options, not both: a mode's
+        from ..compile import DEFAULT_INDUCTOR_OPTIONS  # options are folded in, under the caller's own
 
-        options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **options.get("options", {})}
+        mode = options.pop("mode", None)
+        mode_options = torch._inductor.list_mode_options(mode) if mode is not None else {}
+        options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **mode_options, **options.get("options", {})}
     return options
 
 

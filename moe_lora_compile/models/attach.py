@@ -13,7 +13,9 @@ reallocated (doubled until they fit) and re-registered everywhere: compiled grap
 :mod:`moe_lora_compile.graphs`) fills the buffer with ``set_token_lora_ids`` inside ``manual_token_lora_ids()``,
 where the hook stays out of the way.
 
-Compile the wrapped model (``mm.model``), not the wrapper: the wrapper maps adapter names to slots on the host.
+Compile with ``mlc.compile(mm, ...)``: it compiles the wrapped model's forward in place (duck sizing off, the KV
+cache made contiguous, a raised recompile limit) and leaves the wrapper and the id-writing pre-hook eager; do not
+``torch.compile(mm)`` itself: the wrapper maps adapter names to slots on the host.
 """
 
 from __future__ import annotations

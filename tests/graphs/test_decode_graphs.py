@@ -389,6 +389,20 @@ def test_compile_option_errors(setup):
         DecodeGraphs(setup.model, batch_sizes=(2,), capture=False, compile="yes")
 
 
+@pytest.mark.parametrize("compile, expected", [
+    (True, {"shape_padding": False}),
+    ({"mode": "max-autotune-no-cudagraphs"},  # a mode's options, with shape padding still off (was: on)
+     {"shape_padding": False, **torch._inductor.list_mode_options("max-autotune-no-cudagraphs")}),
+    ({"mode": "max-autotune-no-cudagraphs", "options": {"shape_padding": True}},  # the caller's own option wins
+     {**torch._inductor.list_mode_options("max-autotune-no-cudagraphs"), "shape_padding": True}),
+])
+def test_compile_options_fold_a_mode_under_the_defaults(compile, expected):
+    from moe_lora_compile.graphs.common import compile_options
+
+    options = compile_options(compile)
+    assert "mode" not in options and options["options"] == expected
+
+
 # --- GPU: captured graphs ----------------------------------------------------------------------------------------
 def _gpu_setup(tmp_path, dtype, family=FAMILY):
     """build()'s tiny model and adapters on CUDA, attached again with use_ops=True (the Triton kernels)."""

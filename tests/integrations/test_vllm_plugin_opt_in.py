@@ -24,6 +24,11 @@ def test_enabled_only_by_env_var_or_vllm_plugins(environ, enabled):
     assert plugin.is_enabled(environ) is enabled
 
 
+def test_a_misspelt_switch_is_an_error():
+    with pytest.raises(ValueError, match="MOE_LORA_VLLM='ture': use 1, true, on or yes"):
+        plugin.is_enabled({"MOE_LORA_VLLM": "ture", "VLLM_PLUGINS": "moe_lora_compile"})
+
+
 def test_installed_alone_changes_nothing(monkeypatch):
     monkeypatch.delenv("MOE_LORA_VLLM", raising=False)
     monkeypatch.delenv("VLLM_PLUGINS", raising=False)

@@ -31,16 +31,23 @@ import os
 
 PLUGIN_NAME = "moe_lora_compile"  # the entry point's name, as listed in VLLM_PLUGINS
 ENV_VAR = "MOE_LORA_VLLM"  # declared, with its meaning, in moe_lora_compile.settings (VLLM)
-_TRUE = ("1", "true", "yes", "on")
 
 logger = logging.getLogger(__name__)
 
 
 def is_enabled(environ=None) -> bool:
-    """True when ``MOE_LORA_VLLM`` is set to 1/true/yes/on, or ``VLLM_PLUGINS`` lists ``moe_lora_compile``."""
+    """True when ``MOE_LORA_VLLM`` is set to 1/true/yes/on, or ``VLLM_PLUGINS`` lists ``moe_lora_compile``; another
+    word than those or 0/false/no/off is a ValueError naming the variable (a typo must not leave it off, silently),
+    as for every on/off switch of :mod:`moe_lora_compile.settings`."""
+    from ... import settings
+
     environ = os.environ if environ is None else environ
-    if environ.get(ENV_VAR, "").strip().lower() in _TRUE:
+    value = environ.get(ENV_VAR, "").strip().lower()
+    if value in settings._ON:
         return True
+    if value and value not in settings._OFF:
+        raise ValueError(f"{ENV_VAR}={environ[ENV_VAR]!r}: use 1, true, on or yes, or 0, false, off or no (unset: "
+                         f"off, unless VLLM_PLUGINS lists {PLUGIN_NAME})")
     listed = [name.strip() for name in environ.get("VLLM_PLUGINS", "").split(",")]
     return PLUGIN_NAME in listed
 
