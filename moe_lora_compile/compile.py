@@ -92,12 +92,21 @@ def _with_stable_kv_cache(fn: Callable) -> Callable:
     dynamic cache keeps the prefill's keys/values as the attention's transposed views and a sliding layer's as
     slices, whose strides differ from the concatenated tensors of later steps: each layout was a new graph (a
     stride guard), two more per batch class. A copy of the cache when its layout is not contiguous (once per
-    generate for full layers; each step for a sliding layer past its window) keeps one decode graph."""
+    generate for full layers; each step for a sliding layer past its window) keeps one decode graph. Only
+    transformers' ``DynamicLayer`` s are touched (they replace their tensors every update); a static layer, whose
+    tensors are written in place, never is."""
+
+    try:  # only transformers' dynamic layers: they replace their tensors each step (torch.cat), never write into
+        from transformers.cache_utils import DynamicLayer  # them; a static layer's tensors are written in place
+    except ImportError:  # (a copy would detach it from its storage: DecodeGraphs' and the engine's caches)
+        DynamicLayer = ()  # an older transformers: no layer is touched
 
     @functools.wraps(fn)
     def stable_cache(*args, **kwargs):
         for key in ("past_key_values", "cache"):
             for layer in getattr(kwargs.get(key), "layers", None) or ():
+                if not isinstance(layer, DynamicLayer):
+                    continue
                 for attr in ("keys", "values"):
                     tensor = getattr(layer, attr, None)
                     if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():

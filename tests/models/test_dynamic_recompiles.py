@@ -85,3 +85,23 @@ def test_compiled_forward_runs_with_the_raised_recompile_limit():
     _with_stable_kv_cache(lambda: seen.append(torch._dynamo.config.recompile_limit))()
     assert seen == [max(before, GENERATE_RECOMPILE_LIMIT)] and seen[0] > 8
     assert torch._dynamo.config.recompile_limit == before
+
+
+def test_only_dynamic_cache_layers_are_made_contiguous():
+    """A dynamic layer's transposed tensors are replaced by contiguous copies (it replaces them itself every step);
+    any other layer (a static one, or DecodeGraphs' rows of a shared storage) is written in place and is left as
+    it is: a copy would detach it from its storage."""
+    import types
+
+    from transformers.cache_utils import DynamicLayer
+
+    from moe_lora_compile.compile import _with_stable_kv_cache
+
+    base = torch.randn(2, 5, 3, 4)
+    dynamic = DynamicLayer()
+    dynamic.keys, dynamic.values = base.transpose(1, 2), base.transpose(1, 2)
+    static = types.SimpleNamespace(keys=base.transpose(1, 2), values=base.transpose(1, 2))
+    cache = types.SimpleNamespace(layers=[dynamic, static])
+    _with_stable_kv_cache(lambda **kwargs: None)(cache=cache)
+    assert dynamic.keys.is_contiguous() and torch.equal(dynamic.keys, base.transpose(1, 2))
+    assert static.keys._base is base and not static.keys.is_contiguous()
