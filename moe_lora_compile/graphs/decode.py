@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..ops.contract import NO_ADAPTER
 from ..compile import without_duck_sizing
+from ..models.inputs import check_prompt_values, check_token_ids
 from .common import compile_limits, compile_options, say
 from .kv_cache import SharedKVStorage, SlotCache
 
@@ -81,39 +82,6 @@ def _token_id(name: str, value, vocab: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
         raise ValueError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
     return value
-
-
-def _check_token_ids(name: str, ids) -> None:
-    """``ids`` must be a 2-D integer tensor (shape and dtype only: no host sync)."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
-    if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise ValueError(f"{name} must be [batch, seq_len] integer token ids, got {tuple(ids.shape)} {ids.dtype}")
-
-
-def _check_prompt_values(input_ids: Tensor, attention_mask: Optional[Tensor], vocab: int) -> None:
-    """Prompt ids in ``[0, vocab)``; ``attention_mask`` (if any) ``input_ids``'s shape, only 0s and 1s, each row
-    left padding then at least one token. One host sync (a device-side out-of-range id would be an assert)."""
-    b, S = input_ids.shape
-    if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, S):
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
-            raise ValueError(f"attention_mask must be [{b}, {S}] like input_ids, got {shape}")
-        m = attention_mask.to(input_ids.device)
-        checks = torch.stack([input_ids.min().long(), input_ids.max().long(), ((m != 0) & (m != 1)).any().long(),
-                              (m[:, 1:] < m[:, :-1]).any().long(), (m.sum(-1) == 0).any().long()]).tolist()
-    else:
-        checks = torch.stack([input_ids.min().long(), input_ids.max().long()]).tolist() + [0, 0, 0]
-    low, high, not_binary, right_padded, empty_row = checks
-    if low < 0 or high >= vocab:
-        raise ValueError(f"input_ids: ids outside the vocabulary [0, {vocab}) (min {low}, max {high})")
-    if not_binary:
-        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    if right_padded:
-        raise ValueError("attention_mask: padding must be on the left (a row's 0s before its 1s), as for "
-                         "transformers' generate")
-    if empty_row:
-        raise ValueError("attention_mask: a row has no token (all 0)")
 
 
 def _validated_draft(proposal, b: int, k: int, vocab: int) -> Tensor:
@@ -447,7 +415,7 @@ class DecodeGraphs:
         ``attention_mask [b, S]`` (1 = token, 0 = left padding) for prompts of different lengths, as in
         transformers. ``adapters``: one name or None per sequence (validated as ``mm.forward`` does).
         """
-        _check_token_ids("input_ids", input_ids)
+        check_token_ids("input_ids", input_ids)
         b, S = input_ids.shape
         batch = self.bucket_for(b)
         if S < 1 or S + self.query_len > self.max_cache_len:
@@ -455,7 +423,7 @@ class DecodeGraphs:
                              f"max_cache_len={self.max_cache_len}")
         adapters = None if adapters is None else list(adapters) if not isinstance(adapters, str) else adapters
         self.mm.slots_for(adapters, b)  # same validation (and errors) as mm.forward, before touching anything
-        _check_prompt_values(input_ids, attention_mask, self.vocab_size)
+        check_prompt_values(input_ids, attention_mask, self.vocab_size)
         self._epoch += 1
         self._allocate_cache()  # (may run a dummy step: before this prefill fills the static buffers)
         dev = self.device
@@ -510,7 +478,7 @@ class DecodeGraphs:
         """
         self._check_live(state)
         b, batch, q, p = state.batch_size, state.bucket, self.query_len, state.position
-        _check_token_ids("tokens", tokens)
+        check_token_ids("tokens", tokens)
         if tuple(tokens.shape) != (b, q):
             raise ValueError(f"tokens must be [{b}, {q}] (batch, 1 + num_speculative_tokens), "
                              f"got {tuple(tokens.shape)}")
@@ -590,7 +558,7 @@ class DecodeGraphs:
         RuntimeWarning marks the first step where it may differ. ``draft`` must return ``[b, k]`` integer ids in
         ``[0, vocab)`` (a tensor or nested lists); anything else is a ValueError.
         """
-        _check_token_ids("input_ids", input_ids)
+        check_token_ids("input_ids", input_ids)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if self.query_len > 1 and draft is None:

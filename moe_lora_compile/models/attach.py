@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter, recast_parsed
 from ..adapters.slots import AdapterSlots, AdapterWeights
+from .inputs import check_prompt_values, check_token_ids
 from ..ops.contract import NO_ADAPTER
 from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intact, fusion_problem,
                     point_fused_views)
@@ -430,14 +431,13 @@ class MultiLoRAModel(nn.Module):
         name, tokens, dims = ("input_ids", input_ids, 2) if input_ids is not None else ("inputs_embeds", embeds, 3)
         if tokens is None:
             raise ValueError("input_ids (or inputs_embeds) is required")
-        if not isinstance(tokens, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(tokens).__name__}")
-        wanted_kind = tokens.is_floating_point() if dims == 3 else not (
-            tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool)
-        if tokens.dim() != dims or not wanted_kind or tokens.shape[0] < 1 or tokens.shape[1] < 1:
-            want = "[batch, seq_len] integer token ids" if dims == 2 else "[batch, seq_len, hidden] floats"
-            raise ValueError(f"{name} must be {want} with batch, seq_len >= 1, got {tuple(tokens.shape)} "
-                             f"{tokens.dtype}")
+        if dims == 2:
+            check_token_ids(name, tokens)
+        elif not isinstance(tokens, Tensor) or tokens.dim() != 3 or not tokens.is_floating_point():
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise ValueError(f"{name} must be [batch, seq_len, hidden] floats, got {got}")
+        if tokens.shape[0] < 1 or tokens.shape[1] < 1:
+            raise ValueError(f"{name} must have batch, seq_len >= 1, got {tuple(tokens.shape)}")
         return tokens.shape[0]
 
     @contextlib.contextmanager
@@ -466,10 +466,7 @@ class MultiLoRAModel(nn.Module):
         Prompt ids outside the vocabulary are a ValueError (one host sync, before anything runs)."""
         batch = self._batch_size(input_ids, kwargs)
         if input_ids is not None:
-            vocab = self.model.get_input_embeddings().num_embeddings
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= vocab:
-                raise ValueError(f"input_ids: ids outside the vocabulary [0, {vocab}) (min {low}, max {high})")
+            check_prompt_values(input_ids, None, self.model.get_input_embeddings().num_embeddings)
         with self._selected(adapters, batch):
             return self.model.generate(input_ids=input_ids, **kwargs)
 
