@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -184,16 +185,43 @@ def _row_prefill_forward(model, input_ids, position_ids, cache, spec, cache_kw, 
     return _run_rows(model, input_ids, position_ids, cache, spec, cache_kw, extra)
 
 
+def _in_range(t, n: int) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor; not a bool) in ``[0, n)``."""
+    if t is None or isinstance(t, bool):
+        return False
+    try:
+        return 0 <= operator.index(t) < n
+    except TypeError:
+        return False
+
+
+def _padding_token(pad_token_id, configs, vocab_size: int) -> int:
+    """The token of padding rows (their outputs are discarded): ``pad_token_id`` checked, else the first id in the
+    vocabulary of the configs' pad ids, then eos ids (a config may say -1), else 0."""
+    if pad_token_id is not None:
+        if not _in_range(pad_token_id, vocab_size):
+            raise ValueError(f"pad_token_id must be a token id in [0, {vocab_size}), got {pad_token_id!r}")
+        return operator.index(pad_token_id)
+    candidates = []
+    for key in ("pad_token_id", "eos_token_id"):
+        for cfg in configs:
+            ids = getattr(cfg, key, None)
+            candidates += ids if isinstance(ids, (list, tuple)) else [ids]
+    return next((operator.index(t) for t in candidates if _in_range(t, vocab_size)), 0)
+
+
 class RowGraphs:
     """Per-row decode steps of ``mm`` (a :class:`~moe_lora_compile.models.MultiLoRAModel`) over ``max_rows`` cache
     rows of ``max_cache_len`` tokens each, one CUDA graph per bucket.
 
     ``batch_sizes``: the buckets (default: powers of two up to ``max_rows``, and ``max_rows``); ``prefill_chunk``:
     the most prompt tokens one :meth:`prefill` call takes (also bounded by ``mm.token_lora_ids``); ``capture``,
-    ``compile``, ``compile_prefill``, ``fold_gqa``, ``pad_token_id``, ``warmup``, ``log``: as in
+    ``compile``, ``compile_prefill``, ``fold_gqa``, ``warmup``, ``log``: as in
     :class:`~moe_lora_compile.graphs.DecodeGraphs` (``fold_gqa``: True / ``"eager"`` runs eager attention without
     ``repeat_kv`` copies of the cache, switching ``mm.model``'s attention implementation for good; False / ``"off"``
-    changes nothing; ``"all"`` is refused, a DecodeGraphs-only mode). ``attention="triton"``: the steps'
+    changes nothing; ``"all"`` is refused, a DecodeGraphs-only mode). ``pad_token_id``: the token fed to padding rows
+    (ValueError outside the vocabulary; default: the model's pad id, else its eos where the pad id is missing or
+    out of range, e.g. -1, else 0). ``attention="triton"``: the steps'
     attention runs the flash-decoding Triton kernel (``moe_lora.decode_attention``; prefill unchanged), as in
     :class:`~moe_lora_compile.graphs.DecodeGraphs`. ``num_speculative_tokens``: ``k`` draft tokens per row and step
     (see the module docstring); steps then return ``[rows, 1 + k, V]``.
@@ -246,6 +274,9 @@ class RowGraphs:
                              f"capture=False runs the same steps eagerly")
         config = mm.model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.vocab_size = mm.model.get_input_embeddings().weight.shape[0]
+        self.pad_token_id = _padding_token(pad_token_id, (mm.model.generation_config, config, text_config),
+                                           self.vocab_size)
         num_slots = max_cache_len + q  # the real slots, then q scratch slots for padding rows
         mask_spec(text_config, num_slots, self.dtype)  # refuse what per-row masks cannot express first
         self.attention = attention_mode(attention)
@@ -269,10 +300,6 @@ class RowGraphs:
         self.batch_sizes = tuple(sizes)
         self.prefill_chunk = min(prefill_chunk, mm.token_lora_ids.numel())
         self.use_graphs, self.warmup, self.log = bool(capture), warmup, log
-        if pad_token_id is None:
-            pad_token_id = getattr(mm.model.generation_config, "pad_token_id", None)
-            pad_token_id = getattr(config, "pad_token_id", None) if pad_token_id is None else pad_token_id
-        self.pad_token_id = int(pad_token_id or 0)
         params = inspect.signature(type(mm.model).forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._step_extra = {"cache_position": True} if "cache_position" in params else {}
@@ -308,6 +335,10 @@ class RowGraphs:
             self.clear_row(row)
 
     # --- rows ----------------------------------------------------------------------------------------------------
+    def _check_row(self, row) -> None:
+        if not _in_range(row, self.max_rows):
+            raise ValueError(f"row must be in 0..{self.max_rows - 1}, got {row!r}")
+
     def bucket_for(self, num_rows: int) -> int:
         """The smallest bucket that holds rows ``0..num_rows-1``."""
         for b in self.batch_sizes:
@@ -320,6 +351,7 @@ class RowGraphs:
         """Row ``row`` feeds ``token`` at ``position`` (its cache slot) with ``adapter_slot`` in the next steps
         (host staging; copied to the device by :meth:`step`). With speculative decoding, ``draft`` (``k`` ids) follows
         ``token`` at ``position + 1 ..`` (None: pad tokens, which the verification will reject)."""
+        self._check_row(row)
         if not 0 <= position < self.max_cache_len:
             raise ValueError(f"position {position} is outside the cache (max_cache_len={self.max_cache_len})")
         if not NO_ADAPTER <= adapter_slot < self.mm.max_loras:  # replayed steps read the slot unchecked
@@ -329,10 +361,14 @@ class RowGraphs:
             draft = [self.pad_token_id] * (q - 1)
         elif len(draft) != q - 1:
             raise ValueError(f"draft: {q - 1} tokens (num_speculative_tokens), got {len(draft)}")
+        bad = [t for t in (token, *draft) if not _in_range(t, self.vocab_size)]
+        if bad:  # the step's embedding lookup would fail with a bare IndexError
+            raise ValueError(f"token / draft: ids {bad} are outside the vocabulary [0, {self.vocab_size})")
         self._host_inputs[:, row] = torch.tensor([token, *draft, *range(position, position + q), adapter_slot])
 
     def clear_row(self, row: int) -> None:
         """Row ``row`` is padding in the next steps: pad tokens, adapter -1, the scratch slots."""
+        self._check_row(row)
         q = self.query_len
         self._host_inputs[:, row] = torch.tensor([self.pad_token_id] * q
                                                  + list(range(self.max_cache_len, self.max_cache_len + q)) + [NO_ADAPTER])
@@ -342,6 +378,8 @@ class RowGraphs:
         a step only: with speculative decoding the caller sets each row with :meth:`set_row`)."""
         if self.query_len != 1:
             raise RuntimeError("advance: with num_speculative_tokens > 0 set each row with set_row(..., draft=...)")
+        for row in rows:
+            self._check_row(row)
         index = torch.tensor(rows, dtype=torch.long)
         self._host_inputs[0, index] = torch.tensor(tokens, dtype=torch.long)
         self._host_inputs[1, index] += 1

@@ -2,8 +2,8 @@
 batching engine with its request API."""
 
 from .drafts import PromptLookupDraft
-from .engine import FINISH_REASONS, Request, RequestHandle, ServingEngine
+from .engine import FINISH_REASONS, Request, RequestHandle, RequestsFailed, ServingEngine
 from .store import AdapterStore, NoFreeSlot, StoreCounters
 
 __all__ = ["AdapterStore", "FINISH_REASONS", "NoFreeSlot", "PromptLookupDraft", "Request", "RequestHandle",
-           "ServingEngine", "StoreCounters"]
+           "RequestsFailed", "ServingEngine", "StoreCounters"]

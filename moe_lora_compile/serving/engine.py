@@ -68,7 +68,9 @@ class Request:
     ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed`` (None: drawn from torch's default generator at submit);
     stopping: ``eos_token_ids`` (None: the model's generation config; ``()``: none), ``stop`` (token sequences; the
     request ends after the first one it generates, which stays in its tokens), and ``max_new_tokens``;
-    ``on_token(handle, token)``: called from the engine's thread for every new token."""
+    ``on_token(handle, token)``: called from the engine's thread for every new token (inside a step: waiting for a
+    handle, :meth:`~ServingEngine.generate_many`, :meth:`~ServingEngine.step` and :meth:`~ServingEngine.run` raise
+    there; :meth:`~ServingEngine.stop` only signals)."""
 
     prompt_ids: Sequence[int]
     adapter: Optional[str] = None
@@ -133,6 +135,16 @@ class RequestHandle:
         return f"RequestHandle(id={self.id}, adapter={self.request.adapter!r}, tokens={len(self.tokens)}, {state})"
 
 
+class RequestsFailed(RuntimeError):
+    """:meth:`ServingEngine.generate_many`: some requests failed. ``handles``: every request's handle, in order (the
+    others finished: their tokens are there); ``failed``: the handles that ended with ``"error"``."""
+
+    def __init__(self, message: str, handles: list[RequestHandle]):
+        super().__init__(message)
+        self.handles = handles
+        self.failed = [h for h in handles if h.finish_reason == "error"]
+
+
 @dataclasses.dataclass(eq=False)
 class _Live:
     """Engine-side state of an admitted request."""
@@ -150,10 +162,10 @@ class ServingEngine:
     ``store``: the :class:`AdapterStore` that adapter names resolve through (names loaded into ``mm`` directly work
     too, without paging); ``max_rows``: requests decoding at once; ``max_cache_len``: prompt + new tokens per request
     (a request needs ``len(prompt) + max_new_tokens - 1`` slots); ``batch_sizes``, ``prefill_chunk``, ``capture``,
-    ``compile``, ``compile_prefill``, ``fold_gqa``, ``attention``, ``log``: as in :class:`RowGraphs` (its graphs are
-    captured here); ``schedule``: ``"mixed"`` (any adapters side by side) or ``"grouped"`` (one adapter at a time:
-    requests of the adapter of the oldest waiting request, until none of them is live; the baseline of a one-adapter
-    server such as plain PEFT);
+    ``compile``, ``compile_prefill``, ``fold_gqa``, ``attention``, ``pad_token_id``, ``log``: as in :class:`RowGraphs`
+    (its graphs are captured here); ``schedule``: ``"mixed"`` (any adapters side by side) or ``"grouped"`` (one
+    adapter at a time: requests of the adapter of the oldest waiting request, until none of them is live; the
+    baseline of a one-adapter server such as plain PEFT);
     ``max_bypass``: see the module docstring (default ``max_rows``); ``num_speculative_tokens``, ``draft``: see the
     module docstring (``draft(handles, k) -> [len(handles), k]`` token ids; counters ``draft_tokens`` and
     ``accepted_draft_tokens``).
@@ -167,7 +179,8 @@ class ServingEngine:
                  capture: Optional[bool] = None, compile=False, compile_prefill: bool = True,
                  fold_gqa: Union[bool, str] = True, schedule: str = "mixed", max_bypass: Optional[int] = None,
                  log: Optional[Callable[[str], None]] = print, attention: str = "default",
-                 num_speculative_tokens: int = 0, draft: Optional[Callable] = None):
+                 num_speculative_tokens: int = 0, draft: Optional[Callable] = None,
+                 pad_token_id: Optional[int] = None):
         if store is not None and store.mm is not mm:
             raise ValueError("store: the AdapterStore serves another model (store.mm is not mm)")
         max_bypass = max_rows if max_bypass is None else max_bypass
@@ -180,7 +193,8 @@ class ServingEngine:
         self.graphs = RowGraphs(mm, max_rows=max_rows, max_cache_len=max_cache_len, batch_sizes=batch_sizes,
                                 prefill_chunk=prefill_chunk, capture=capture, compile=compile,
                                 compile_prefill=compile_prefill, fold_gqa=fold_gqa, log=log,
-                                attention=attention, num_speculative_tokens=num_speculative_tokens).capture()
+                                attention=attention, num_speculative_tokens=num_speculative_tokens,
+                                pad_token_id=pad_token_id).capture()
         self.num_speculative_tokens = num_speculative_tokens
         self.draft = draft if draft is not None else PromptLookupDraft()
         self.device = self.graphs.device
@@ -231,13 +245,17 @@ class ServingEngine:
     def generate_many(self, requests: Sequence) -> list[RequestHandle]:
         """Submit every request (:class:`Request` s or dicts of its fields; all checked before any is queued) and
         run until all have finished; returns their handles (``handle.tokens``, ``handle.finish_reason``).
-        RuntimeError when one failed (its adapter did not load; the others still finished)."""
+        :class:`RequestsFailed` (a RuntimeError) when one failed (e.g. its adapter did not load): the others still
+        finished, and its ``handles`` holds every handle."""
         requests = [r if isinstance(r, Request) else Request(**r) for r in requests]
         handles = [self._handle(r) for r in requests]
         self._queue(handles)
         self._wait(lambda: all(h.done for h in handles))
-        for h in handles:
-            h._raise()
+        failed = [h for h in handles if h.finish_reason == "error"]
+        if failed:
+            more = f" (and {len(failed) - 1} more; see .failed)" if len(failed) > 1 else ""
+            raise RequestsFailed(f"request {failed[0].id} failed: {failed[0].error!r}{more}",
+                                 handles) from failed[0].error
         return handles
 
     def _handle(self, r: Request) -> RequestHandle:
@@ -324,6 +342,7 @@ class ServingEngine:
         requests (adapter loads run on the store's side stream while the step computes), launch up to
         ``prefill_chunk`` prompt tokens, then read the step's tokens, and last the first tokens of the prompts
         prefilled to their end (those requests decode from the next step on)."""
+        self._check_not_in_step("step() or run()")
         with self._step_lock:
             self._step_thread = threading.get_ident()
             try:
@@ -360,36 +379,37 @@ class ServingEngine:
         return self
 
     def stop(self) -> None:
-        """Stop the background thread after its current step (live requests stay; step or start again)."""
+        """Stop the background thread after its current step and wait for it (live requests stay: handles waiting
+        for them run the steps themselves; step or start again). From inside a step (an on_token callback) it only
+        signals: the thread ends after that step."""
         with self._cond:
             thread, self._stopping = self._thread, True
             self._cond.notify_all()
-        if thread is not None:
-            thread.join()
-        with self._cond:
-            self._thread = None
+        if thread is None or thread is threading.current_thread() or self._step_thread == threading.get_ident():
+            return
+        thread.join()
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while self.idle and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except BaseException:  # step() failed every request with the error; the thread ends
+        try:
+            while True:
                 with self._cond:
+                    while self.idle and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                try:
+                    self.step()
+                except BaseException:  # step() failed every request with the error; the thread ends
+                    return
+        finally:  # waiting handles take over the steps
+            with self._cond:
+                if self._thread is threading.current_thread():
                     self._thread = None
-                    self._cond.notify_all()
-                return
+                self._cond.notify_all()
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         """Until ``ready()``: wait for the engine's thread, or run steps here."""
-        if self._step_thread == threading.get_ident():
-            raise RuntimeError("a handle's result(), iteration or generate_many was called from inside an engine "
-                               "step (an on_token callback): it would wait for the step that calls it; read "
-                               "handle.tokens / handle.done there instead")
+        self._check_not_in_step("a handle's result(), iteration or generate_many")
         while True:
             with self._cond:
                 if ready():
@@ -398,6 +418,11 @@ class ServingEngine:
                     self._cond.wait()
                     continue
             self.step()
+
+    def _check_not_in_step(self, what: str) -> None:
+        if self._step_thread == threading.get_ident():
+            raise RuntimeError(f"{what} was called from inside an engine step (an on_token callback): it would wait "
+                               f"for the step that calls it; read handle.tokens / handle.done there instead")
 
     # --- the steps -----------------------------------------------------------------------------------------------
     def _retire_cancelled(self) -> None:

@@ -5,8 +5,9 @@ already-parsed factors, validated at once; :meth:`MultiLoRAModel.parse_adapter`'
 is, so several names can share one host copy). Each is parsed and validated once and kept as one host copy in the slot
 dtype (pinned when the model is on CUDA). The model's ``max_loras`` slots are a cache: :meth:`AdapterStore.acquire`
 returns the slots of a request's adapters, loading the ones not in a slot from their host copy and evicting the
-least recently used resident adapter that no in-flight request holds; the adapters stay pinned in their slots until
-:meth:`AdapterStore.release` (or use :meth:`AdapterStore.use`, a context manager).
+least recently used resident adapter that no in-flight request holds (through this store, or pinned in ``mm`` by a
+serving engine that uses it by name); the adapters stay pinned in their slots until :meth:`AdapterStore.release` (or
+use :meth:`AdapterStore.use`, a context manager).
 
 Slot writes go through :meth:`MultiLoRAModel.load_adapter_weights`: in place (compiled graphs and captured CUDA
 graphs stay valid), under ``mm.lock`` (never between a running forward's id write and its model run). On CUDA the
@@ -214,38 +215,39 @@ class AdapterStore:
                 self._entries[n].weights = weights  # waiting for a slot does not re-read its folder at every retry
             self._counters.disk_loads += len(parsed)
             self._counters.parse_seconds += parse_seconds
-            free = self._free_slots()
-            evictable = [n for n in self._lru if not self._in_use.get(n) and n not in wanted]
-            if len(missing) > len(free) + len(evictable):
-                raise NoFreeSlot(self._full_message(wanted, missing, free))
-            plan = []
-            for n in missing:
-                if free:
-                    plan.append((n, free.pop(0), None))
-                else:
-                    victim = evictable.pop(0)
-                    plan.append((n, self._lru[victim], victim))
-            # from here on nothing is expected to fail
-            c = self._counters
-            c.hits += len(wanted) - len(missing)
-            c.misses += len(missing)
-            for n, slot, victim in plan:
-                weights = self._entries[n].weights
-                start = time.perf_counter()
-                self._write(n, slot, victim, weights)
-                c.load_seconds += time.perf_counter() - start
-                c.loads += 1
-                c.bytes_copied += weights.nbytes
-                if victim is not None:
-                    c.evictions += 1
-                    del self._lru[victim]
-                    del self._written[victim]
-                self._lru[n] = slot
-                self._written[n] = self.mm.slots.writes(slot)
-            for n in wanted:
-                self._lru.move_to_end(n)
-                self._in_use[n] = self._in_use.get(n, 0) + 1
-                self.mm._pin_adapter(n)  # mm refuses to unload or replace it while held
+            with self.mm.lock:  # no pin, load or unload in mm between the plan and the writes
+                free = self._free_slots()
+                evictable = [n for n in self._lru if not self._pinned(n) and n not in wanted]
+                if len(missing) > len(free) + len(evictable):
+                    raise NoFreeSlot(self._full_message(wanted, missing, free))
+                plan = []
+                for n in missing:
+                    if free:
+                        plan.append((n, free.pop(0), None))
+                    else:
+                        victim = evictable.pop(0)
+                        plan.append((n, self._lru[victim], victim))
+                # from here on nothing is expected to fail
+                c = self._counters
+                for n, slot, victim in plan:
+                    weights = self._entries[n].weights
+                    start = time.perf_counter()
+                    self._write(n, slot, victim, weights)
+                    c.load_seconds += time.perf_counter() - start
+                    c.loads += 1
+                    c.bytes_copied += weights.nbytes
+                    if victim is not None:
+                        c.evictions += 1
+                        del self._lru[victim]
+                        del self._written[victim]
+                    self._lru[n] = slot
+                    self._written[n] = self.mm.slots.writes(slot)
+                for n in wanted:
+                    self._lru.move_to_end(n)
+                    self._in_use[n] = self._in_use.get(n, 0) + 1
+                    self.mm._pin_adapter(n)  # mm refuses to unload or replace it while held
+                c.hits += len(wanted) - len(missing)
+                c.misses += len(missing)
             return [NO_ADAPTER if n is None else self._lru[n] for n in names]
 
     def release(self, names: Sequence[Optional[str]]) -> None:
@@ -297,6 +299,10 @@ class AdapterStore:
             if loaded.get(n) != slot or self.mm.slots.writes(slot) != self._written[n]:
                 del self._lru[n], self._written[n]
 
+    def _pinned(self, name: str) -> bool:
+        """Held by an in-flight request: this store's, or a serving engine's that uses it by name in ``mm``."""
+        return bool(self._in_use.get(name) or self.mm._pins.get(name))
+
     def _free_slots(self) -> list[int]:
         used = set(self.mm.adapters.values())
         return [s for s in range(self.mm.max_loras) if s not in used]
@@ -315,7 +321,7 @@ class AdapterStore:
         """Why ``missing`` (of the request's ``wanted``) find no slot: where each of the slots went."""
         L = self.mm.max_loras
         own = sorted(n for n in self._lru if n in wanted)
-        held = sorted(n for n in self._lru if self._in_use.get(n) and n not in wanted)
+        held = sorted(n for n in self._lru if self._pinned(n) and n not in wanted)
         outside = sorted(set(self.mm.adapters) - set(self._lru))
         where = [f"{len(free)} free"]
         if own:

@@ -13,6 +13,7 @@ import copy
 import os
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from torch._dynamo.utils import counters
 
 from moe_lora_compile.__main__ import build
 from moe_lora_compile.models import attach
-from moe_lora_compile.serving import AdapterStore, PromptLookupDraft, Request, ServingEngine
+from moe_lora_compile.serving import AdapterStore, NoFreeSlot, PromptLookupDraft, Request, ServingEngine
+from moe_lora_compile.serving.engine import RequestsFailed
 
 from engine_helpers import alone, prompt, random_adapter
 
@@ -302,6 +304,161 @@ def test_waiting_inside_a_callback_is_an_error_not_a_deadlock(setup):
     assert waiting.finish_reason == "error"
     with pytest.raises(RuntimeError, match="inside an engine step"):
         waiting.result()
+
+
+def test_stepping_inside_a_callback_is_an_error_not_a_deadlock(setup):
+    """on_token calling engine.step() / run() waited forever for the step lock its own step holds (a silent hang):
+    it raises instead, which fails that request only; the other request finishes with its usual tokens."""
+    engine = _engine(setup.model)
+    other = engine.submit(setup.prompts[0], adapter=WORK[0][1], max_new_tokens=WORK[0][2])
+    stepping = [engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=4,
+                              on_token=lambda handle, token, call=call: call()) for call in (engine.step, engine.run)]
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "engine.step() inside on_token deadlocked"
+    assert other.tokens == setup.want[0] and other.finish_reason == "length"
+    for handle in stepping:
+        assert handle.finish_reason == "error"
+        with pytest.raises(RuntimeError, match=r"step\(\) or run\(\) was called from inside an engine step"):
+            handle.result()
+    assert engine.idle and setup.model._pins == {}
+
+
+def test_stop_hands_the_steps_to_waiting_handles(setup):
+    """stop() while another thread waits in result(): the waiter runs the remaining steps itself (it slept on
+    forever: stop() cleared the engine's thread without waking it)."""
+    engine = _engine(setup.model)
+    in_step, go = threading.Event(), threading.Event()
+    step = engine.graphs.step
+
+    def paused_step(num_rows):  # the engine's thread stays in its first decode step until `go`
+        in_step.set()
+        assert go.wait(30)
+        return step(num_rows)
+
+    engine.graphs.step = paused_step
+    handle = engine.submit(setup.prompts[0], adapter=WORK[0][1], max_new_tokens=WORK[0][2])
+    engine.start()
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault("tokens", handle.result()), daemon=True)
+    waiter.start()
+    assert in_step.wait(30)
+    stopper = threading.Thread(target=engine.stop, daemon=True)
+    stopper.start()
+    deadline = time.monotonic() + 30
+    while not engine._stopping and time.monotonic() < deadline:
+        time.sleep(0.001)
+    go.set()  # the thread ends after this step, far from the request's end
+    stopper.join(30)
+    assert not stopper.is_alive() and engine._thread is None
+    waiter.join(30)
+    assert not waiter.is_alive(), "a handle waiting across stop() was never woken up"
+    assert result["tokens"] == setup.want[0] and handle.finish_reason == "length"
+
+
+def test_stop_from_a_callback_ends_the_thread_after_its_step(setup):
+    """engine.stop() inside on_token (the engine's own thread) only signals: the thread ends after the step, the
+    handles waiting for it take over, and start() works again. Before, join() raised "cannot join current thread":
+    the request failed, the thread stayed registered, every other handle waited forever and start() refused."""
+    engine = _engine(setup.model).start()
+    try:
+        other = engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=WORK[1][2])
+        stopping = engine.submit(setup.prompts[0], adapter=WORK[0][1], max_new_tokens=WORK[0][2],
+                                 on_token=lambda handle, token: engine.stop() if len(handle.tokens) == 2 else None)
+        result = {}
+
+        def wait():
+            result["other"] = other.result()
+            result["stopping"] = stopping.result()
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(60)
+        assert not waiter.is_alive(), "handles waited forever after stop() from a callback"
+        assert result == {"other": setup.want[1], "stopping": setup.want[0]}
+        assert engine._thread is None
+        engine.start()  # refused before: "already running"
+        assert engine.submit(setup.prompts[5], adapter="beta", max_new_tokens=5).result() == setup.want[5]
+    finally:
+        engine.stop()
+    assert engine._thread is None
+
+
+def test_generate_many_failure_keeps_every_handle(setup, tmp_path):
+    """One request of generate_many fails (its adapter folder is not an adapter): it still raises (a RuntimeError),
+    and the error carries every handle: the finished requests' tokens are not lost."""
+    store = AdapterStore(setup.model)
+    store.register("broken", str(tmp_path))  # no adapter_config.json: fails at first use
+    engine = _engine(setup.model, store=store)
+    work = [Request(setup.prompts[i], adapter=a, max_new_tokens=WORK[i][2])
+            for i, a in ((0, WORK[0][1]), (2, "broken"), (1, WORK[1][1]))]
+    with pytest.raises(RequestsFailed, match="no adapter_config.json") as info:
+        engine.generate_many(work)
+    assert isinstance(info.value, RuntimeError)
+    first, bad, second = info.value.handles
+    assert (first.tokens, second.tokens) == (setup.want[0], setup.want[1])
+    assert first.finish_reason == second.finish_reason == "length"
+    assert info.value.failed == [bad] and bad.finish_reason == "error" and bad.tokens == []
+    assert engine.idle and store.in_use == {}
+
+
+def test_a_pad_id_outside_the_vocabulary_is_not_fed_to_padding_rows(setup):
+    """A config with pad_token_id = -1 (transformers accepts it): padding rows get the eos id instead (the
+    constructor died with a bare IndexError); an explicit pad_token_id is checked."""
+    base = copy.deepcopy(setup.base)
+    base.config.pad_token_id = base.generation_config.pad_token_id = -1
+    mm = attach(base, max_loras=1, max_rank=8)
+    engine = _engine(mm)
+    assert engine.graphs.pad_token_id == mm.model.config.eos_token_id == 2
+    p = setup.prompts[0]
+    assert engine.submit(p, max_new_tokens=6, eos_token_ids=()).result() == alone(mm, p, None, 6, eos=[])
+    assert _engine(mm, max_rows=1, pad_token_id=7).graphs.pad_token_id == 7
+    for bad in (-1, engine.vocab_size, 1.5, True):
+        with pytest.raises(ValueError, match=r"pad_token_id must be a token id in \[0, 128\)"):
+            _engine(mm, max_rows=1, pad_token_id=bad)
+
+
+def test_rows_and_tokens_are_checked_on_the_host(setup):
+    """set_row / clear_row / advance took any row (a negative one staged the last rows, silently) and set_row any
+    token id (a bare IndexError inside the next step): ValueError, nothing staged."""
+    graphs = _engine(setup.model).graphs
+    before = graphs._host_inputs.clone()
+    for call in (lambda: graphs.set_row(-1, token=5, position=3, adapter_slot=0),
+                 lambda: graphs.set_row(4, token=5, position=3), lambda: graphs.clear_row(-2),
+                 lambda: graphs.clear_row(4), lambda: graphs.advance([0, -1], [5, 6])):
+        with pytest.raises(ValueError, match=r"row must be in 0\.\.3, got"):
+            call()
+    for token in (-5, 128):
+        with pytest.raises(ValueError, match=rf"ids \[{token}\] are outside the vocabulary \[0, 128\)"):
+            graphs.set_row(0, token=token, position=3)
+    assert torch.equal(graphs._host_inputs, before)
+    spec = _engine(setup.model, num_speculative_tokens=2).graphs
+    with pytest.raises(ValueError, match=r"ids \[128\] are outside the vocabulary"):
+        spec.set_row(0, token=5, position=3, draft=[1, 128])
+
+
+def test_adapters_an_engine_pins_are_never_evicted_by_the_store(setup):
+    """An engine without the store serves a store adapter resident in mm by name (pinned in mm): the store does
+    not choose it as LRU victim (its unload raised inside acquire, after the counters had changed), and a full
+    cache raises NoFreeSlot with nothing changed."""
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    store = AdapterStore(mm)
+    store.register("a0", random_adapter(mm, 1))
+    store.register("a1", random_adapter(mm, 2))
+    with store.use(["a0"]):  # a0 resident, held by no store request
+        pass
+    engine = _engine(mm)  # no store: the name resolves through mm
+    p = setup.prompts[0]
+    handle = engine.submit(p, adapter="a0", max_new_tokens=6, eos_token_ids=())
+    engine.step()  # admitted: a0 pinned in mm
+    before = store.counters
+    with pytest.raises(NoFreeSlot, match=r"1 held by in-flight requests \['a0'\]"):
+        store.acquire(["a1"])
+    assert store.counters == before and store.resident == {"a0": 0} and store.in_use == {}
+    assert handle.result() == alone(mm, p, "a0", 6, eos=[])
+    assert store.acquire(["a1"]) == [0]  # unpinned when the request ended: evictable again
+    store.release(["a1"])
 
 
 def test_adapters_in_use_cannot_be_unloaded_or_replaced(setup):

@@ -444,3 +444,25 @@ def test_host_copies_are_checked_again_after_the_model_is_cast(setup, tmp_path, 
     assert all(t.dtype == torch.float16 for lora in host.values() for t in vars(lora).values() if t is not None)
     with store.use(["b"]), store.use(["s"]):  # acquired again: the kept copy is not cast again
         assert store._entries["s"].weights is host
+
+
+def test_a_failed_slot_write_leaves_the_counters_as_they_were(setup, monkeypatch):
+    """A slot write that fails (here: mm.load_adapter_weights raising) changes nothing, counters included: hits and
+    misses were counted before the writes."""
+    mm, store = _store(setup, preload=True)
+    with store.use(["a"]):
+        pass
+    before = _snapshot(mm, store)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("write failed")
+
+    monkeypatch.setattr(mm, "load_adapter_weights", fail)
+    with pytest.raises(RuntimeError, match="write failed"):
+        store.acquire(["a", "b"])  # a: a hit, b: a miss into the free slot 1
+    _assert_same(before, _snapshot(mm, store))
+    monkeypatch.undo()
+    assert store.acquire(["a", "b"]) == [0, 1]
+    c = store.counters
+    assert (c.hits, c.misses, c.loads) == (1, 2, 2)
+    store.release(["a", "b"])
