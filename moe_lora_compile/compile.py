@@ -74,8 +74,8 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
         inner = model.model
         original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
         inner.__dict__[_ORIGINAL_FORWARD] = original
-        inner.forward = _announce_first_call(without_duck_sizing(_with_stable_kv_cache(torch.compile(original,
-                                                                                                      **kwargs))))
+        inner.forward = _announce_first_call(without_duck_sizing(_with_stable_layouts(torch.compile(original,
+                                                                                                     **kwargs))))
         return model
     return torch.compile(model, **kwargs)
 
@@ -86,15 +86,21 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
 GENERATE_RECOMPILE_LIMIT = 16
 
 
-def _with_stable_kv_cache(fn: Callable) -> Callable:
-    """``fn`` (the compiled forward of a MultiLoRAModel's inner model) with the KV cache's tensors made contiguous
-    before each call, and Dynamo's recompile limit at least :data:`GENERATE_RECOMPILE_LIMIT` during it. transformers'
-    dynamic cache keeps the prefill's keys/values as the attention's transposed views and a sliding layer's as
-    slices, whose strides differ from the concatenated tensors of later steps: each layout was a new graph (a
-    stride guard), two more per batch class. A copy of the cache when its layout is not contiguous (once per
-    generate for full layers; each step for a sliding layer past its window) keeps one decode graph. Only
-    transformers' ``DynamicLayer`` s are touched (they replace their tensors every update); a static layer, whose
-    tensors are written in place, never is."""
+# The forward's tensor inputs a caller may pass as a slice (ids[:, :n]) or a transposed view: their strides are
+# guarded, so each layout would be another graph
+_INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache_position")
+
+
+def _with_stable_layouts(fn: Callable) -> Callable:
+    """``fn`` (the compiled forward of a MultiLoRAModel's inner model) with its inputs' and the KV cache's tensors
+    made contiguous before each call, and Dynamo's recompile limit at least :data:`GENERATE_RECOMPILE_LIMIT` during
+    it. Dynamo guards strides: a sliced ``input_ids`` (``ids[:3, :5]``, row stride 8 for 5 columns) compiled a second
+    graph of a shape the first already served. transformers' dynamic cache keeps the prefill's keys/values as the
+    attention's transposed views and a sliding layer's as slices, whose strides differ from the concatenated tensors
+    of later steps: each layout was a new graph (a stride guard), two more per batch class. A copy of the cache when
+    its layout is not contiguous (once per generate for full layers; each step for a sliding layer past its window)
+    keeps one decode graph. Only transformers' ``DynamicLayer`` s are touched (they replace their tensors every
+    update); a static layer, whose tensors are written in place, never is."""
 
     try:  # only transformers' dynamic layers: they replace their tensors each step (torch.cat), never write into
         from transformers.cache_utils import DynamicLayer  # them; a static layer's tensors are written in place
@@ -102,7 +108,11 @@ def _with_stable_kv_cache(fn: Callable) -> Callable:
         DynamicLayer = ()  # an older transformers: no layer is touched
 
     @functools.wraps(fn)
-    def stable_cache(*args, **kwargs):
+    def stable_layouts(*args, **kwargs):
+        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        for name in _INPUT_NAMES:
+            if isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = kwargs[name].contiguous()
         for key in ("past_key_values", "cache"):
             for layer in getattr(kwargs.get(key), "layers", None) or ():
                 if not isinstance(layer, DynamicLayer):
@@ -115,7 +125,7 @@ def _with_stable_kv_cache(fn: Callable) -> Callable:
         with torch._dynamo.config.patch(recompile_limit=limit):
             return fn(*args, **kwargs)
 
-    return stable_cache
+    return stable_layouts
 
 
 def is_compiled(mm: Any) -> bool:

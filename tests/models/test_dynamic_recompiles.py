@@ -78,13 +78,40 @@ def test_generate_under_mlc_compile_keeps_one_decode_graph():
 def test_compiled_forward_runs_with_the_raised_recompile_limit():
     """The same wrapper raises Dynamo's recompile limit during the call (GPT-OSS's sliding layers under the dynamic
     cache need ~5 graphs per batch class; at the default 8 the rest ran eagerly) and leaves it as it was after."""
-    from moe_lora_compile.compile import GENERATE_RECOMPILE_LIMIT, _with_stable_kv_cache
+    from moe_lora_compile.compile import GENERATE_RECOMPILE_LIMIT, _with_stable_layouts
 
     seen = []
     before = torch._dynamo.config.recompile_limit
-    _with_stable_kv_cache(lambda: seen.append(torch._dynamo.config.recompile_limit))()
+    _with_stable_layouts(lambda: seen.append(torch._dynamo.config.recompile_limit))()
     assert seen == [max(before, GENERATE_RECOMPILE_LIMIT)] and seen[0] > 8
     assert torch._dynamo.config.recompile_limit == before
+
+
+def test_sliced_inputs_share_the_graph_of_their_shape():
+    """A sliced ``input_ids`` (``ids[:3, :5]`` of a [3, 8] tensor: row stride 8) or mask has the shape of a batch the
+    graph already served but other strides, which Dynamo guards: the wrapper makes them contiguous, so they reuse
+    the graph (they compiled a second one), positional or by name; outputs equal the contiguous call's."""
+    from moe_lora_compile.compile import _with_stable_layouts
+
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=2, max_rank=4)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    try:
+        mm.model.forward = _with_stable_layouts(torch.compile(mm.model.forward, backend=counter, dynamic=True))
+        wide = torch.randint(3, 128, (3, 8))
+        ids, mask = wide[:, :5].contiguous(), torch.ones(3, 5, dtype=torch.long)
+        with torch.no_grad():
+            first = mm(ids, use_cache=False).logits
+            first_masked = mm(ids, attention_mask=mask, use_cache=False).logits  # another signature: a graph
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                positional = mm(wide[:, :5], use_cache=False).logits
+                by_name = mm(input_ids=wide[:, :5], use_cache=False).logits
+                masked = mm(wide[:, :5], attention_mask=torch.ones(3, 8, dtype=torch.long)[:, :5],
+                            use_cache=False).logits
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 2
+    assert torch.equal(positional, first) and torch.equal(by_name, first) and torch.equal(masked, first_masked)
 
 
 def test_only_dynamic_cache_layers_are_made_contiguous():
@@ -95,13 +122,13 @@ def test_only_dynamic_cache_layers_are_made_contiguous():
 
     from transformers.cache_utils import DynamicLayer
 
-    from moe_lora_compile.compile import _with_stable_kv_cache
+    from moe_lora_compile.compile import _with_stable_layouts
 
     base = torch.randn(2, 5, 3, 4)
     dynamic = DynamicLayer()
     dynamic.keys, dynamic.values = base.transpose(1, 2), base.transpose(1, 2)
     static = types.SimpleNamespace(keys=base.transpose(1, 2), values=base.transpose(1, 2))
     cache = types.SimpleNamespace(layers=[dynamic, static])
-    _with_stable_kv_cache(lambda **kwargs: None)(cache=cache)
+    _with_stable_layouts(lambda **kwargs: None)(cache=cache)
     assert dynamic.keys.is_contiguous() and torch.equal(dynamic.keys, base.transpose(1, 2))
     assert static.keys._base is base and not static.keys.is_contiguous()
