@@ -50,9 +50,21 @@ tests)
   MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   DEF_WORKERS=8; [ -n "$MEM_MB" ] && [ "$MEM_MB" -lt 100000 ] && DEF_WORKERS=4
   if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-$DEF_WORKERS}" --dist load); else XDIST=(); fi
+  # TEST_PATHS: the paths (or node ids) to run (default: all of tests/); an 80 GB card runs the suite in two calls
+  # shellcheck disable=SC2086  # TEST_PATHS is a list of words
   step gpu_tests "${TESTS_LIMIT:-390}" env TORCHINDUCTOR_COMPILE_THREADS="${COMPILE_THREADS:-2}" python3 -m pytest -m gpu -v -p no:cacheprovider -rfE \
-    "${XDIST[@]}" --durations=15 tests
+    "${XDIST[@]}" --durations=15 ${TEST_PATHS:-tests}
   tail -25 "$W/gpu_tests.log"
+  # RERUN_FAILED=N: the failed / erroring tests again on N workers in what the call has left (many workers can run
+  # an 80 GB card out of memory: such a failure is about the run, the rerun says whether it is about the code)
+  FAILED_IDS=$(grep -oE "^(FAILED|ERROR) tests/[^ ]+" "$W/gpu_tests.log" | awk '{print $2}' | sort -u)
+  if [ -n "${RERUN_FAILED:-}" ] && [ -n "$FAILED_IDS" ]; then
+    echo "rerun of $(echo "$FAILED_IDS" | wc -l) failed tests on ${RERUN_FAILED} workers" | tee -a "$W/steps.txt"
+    # shellcheck disable=SC2086  # one node id per word
+    step gpu_rerun "$(( $(left) - 20 ))" python3 -m pytest -m gpu -v -p no:cacheprovider -rfE -n "$RERUN_FAILED" \
+      $FAILED_IDS
+    tail -15 "$W/gpu_rerun.log"
+  fi
   # micro-benchmarks after the tests, chosen by MICRO (default: all of them but tune_mxfp4, in this order)
   for m in ${MICRO:-attn ablation mxfp4 ranks router tune}; do case $m in
     attn) step attn 60 python3 benchmarks/bench_attention.py --batches 1 8 64 --md "$W/attn.md" ;;
