@@ -590,6 +590,8 @@ def main(argv=None) -> int:
     _GPU_LOCK = args.gpu_lock
     if args.hf_compiled and "hf_compiled" not in args.columns:
         args.columns.append("hf_compiled")
+    if not args.tiny and not torch.cuda.is_available():  # full-size models in fp32 on a CPU: tens of GB, no figure
+        p.error("the full-size models need a CUDA device; --tiny runs the script's CPU smoke test")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.tiny:

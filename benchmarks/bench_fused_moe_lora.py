@@ -218,6 +218,8 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--md")
     a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA device (the kernels' CPU runs are the tests: pytest tests/ops)")
     if a.mxfp4:
         tokens = a.tokens or ([1, 32, 512] if a.quick else [1, 8, 32, 128, 512])
         adapters, ranks = ([4], [16]) if a.quick else (a.adapters, a.ranks)

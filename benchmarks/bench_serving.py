@@ -119,6 +119,24 @@ def _q(values: torch.Tensor, q: float) -> float:
     return float(torch.quantile(values.double(), q))
 
 
+CALIBRATION_PROMPT, CALIBRATION_STEPS = 8, 16  # the rate calibration's rows: prompt tokens, timed full steps
+
+
+def _calibration_plan(rows: int, prefill_chunk: int, max_cache_len: int) -> tuple[int, str | None]:
+    """The calibration's new tokens a row, and why it cannot run (None: it can). Every row's prefill must land
+    before the first row ends: with a prefill chunk under the rows' prompt tokens, rows are admitted over several
+    steps (the last after up to ``rows * CALIBRATION_PROMPT`` of them, at chunk 1)."""
+    admit_steps = -(-rows * CALIBRATION_PROMPT // prefill_chunk)
+    new_tokens = CALIBRATION_STEPS + max(4, admit_steps + 1)
+    if CALIBRATION_PROMPT + new_tokens - 1 <= max_cache_len:
+        return new_tokens, None
+    room = max_cache_len - CALIBRATION_PROMPT - CALIBRATION_STEPS  # the most admission steps the cache leaves
+    least = f"a --prefill-chunk of at least {-(-rows * CALIBRATION_PROMPT // room)}" if room > 0 else "a longer --new"
+    return new_tokens, (f"rate calibration: a prefill chunk of {prefill_chunk} tokens admits {rows} rows of "
+                        f"{CALIBRATION_PROMPT}-token prompts over {admit_steps} steps, and the first rows' cache "
+                        f"({max_cache_len} slots) ends before the last row is in: pass --rates, or {least}")
+
+
 def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, adapters: list) -> tuple[float, dict]:
     """Requests/s the engine sustains at a full batch: one prefill of a ``prompt``-token request, then decode steps
     with every row busy (adapters round-robin): ``1 / (t_prefill + new * t_step / max_rows)``."""
@@ -131,19 +149,10 @@ def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, ad
     engine.generate_many([Request(ids(prompt), adapter=adapters[0], max_new_tokens=1, eos_token_ids=())])
     sync(engine.device)
     t_prefill = time.perf_counter() - t0
-    steps, prompt_len = 16, 8
-    # room for every row's prefill before the first row ends: with a prefill chunk under the rows' prompt tokens,
-    # the rows are admitted over several steps (the last one after up to rows * prompt_len of them, at chunk 1)
-    admit_steps = -(-rows * prompt_len // engine.graphs.prefill_chunk)
-    new_tokens = steps + max(4, admit_steps + 1)
-    room = engine.graphs.max_cache_len - prompt_len - steps  # the most admission steps the rows' cache leaves
-    if prompt_len + new_tokens - 1 > engine.graphs.max_cache_len:
-        least = f"a --prefill-chunk of at least {-(-rows * prompt_len // room)}" if room > 0 else "a longer --new"
-        raise RuntimeError(f"rate calibration: a prefill chunk of {engine.graphs.prefill_chunk} tokens admits "
-                           f"{rows} rows of {prompt_len}-token prompts over {admit_steps} steps, and the first "
-                           f"rows' cache ({engine.graphs.max_cache_len} slots) ends before the last row is in: "
-                           f"pass --rates, or {least}")
-    handles = [engine.submit(ids(prompt_len), adapter=adapters[i % len(adapters)], max_new_tokens=new_tokens,
+    new_tokens, problem = _calibration_plan(rows, engine.graphs.prefill_chunk, engine.graphs.max_cache_len)
+    if problem:
+        raise RuntimeError(problem)
+    handles = [engine.submit(ids(CALIBRATION_PROMPT), adapter=adapters[i % len(adapters)], max_new_tokens=new_tokens,
                              eos_token_ids=()) for i in range(rows)]
     while engine.num_running < rows:  # every row admitted, prefilled and decoding
         if not engine.step():
@@ -151,10 +160,10 @@ def saturation_rate(engine: ServingEngine, prompt: int, new: int, vocab: int, ad
                                f"(fewer adapter slots than distinct adapters among the rows?)")
     sync(engine.device)
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(CALIBRATION_STEPS):
         engine.step()
     sync(engine.device)
-    t_step = (time.perf_counter() - t0) / steps
+    t_step = (time.perf_counter() - t0) / CALIBRATION_STEPS
     for h in handles:
         h.cancel()
     while engine.step():  # the cancelled rows leave
@@ -191,7 +200,7 @@ def build(args, device, dtype):
     for i, n in enumerate(names):
         store.register(n, parsed[i % len(parsed)])  # names beyond the distinct ones share their host copy
     log(f"{len(names)} adapter names registered over {len(parsed)} parsed adapters in {time.perf_counter() - t0:.1f} s")
-    max_cache = round((args.prompt + args.new) * (1 + args.jitter)) + 2
+    max_cache = max_cache_len(args)
     buckets = args.buckets or None
     t0 = time.perf_counter()
     engine = ServingEngine(mm, store, max_rows=args.max_rows, max_cache_len=max_cache, batch_sizes=buckets,
@@ -418,6 +427,11 @@ def _outputs_error(args) -> str | None:
     return None
 
 
+def max_cache_len(args) -> int:
+    """Cache slots a request row gets: the longest prompt + output the jitter draws, and 2 more."""
+    return round((args.prompt + args.new) * (1 + args.jitter)) + 2
+
+
 TINY = dict(requests=3, prompt=16, new=5, max_rows=4, slots=4, prefill_chunk=32, no_compile=True, rank=4,
             paged=16, distinct=4, resident=4)
 
@@ -446,6 +460,10 @@ def main(argv=None, prog=None) -> int:
     if args.buckets and (max(args.buckets) != args.max_rows or min(args.buckets) < 1):
         p.error(f"--buckets {' '.join(map(str, args.buckets))}: the largest bucket must be --max-rows "
                 f"{args.max_rows}, none larger")
+    if not args.rates:  # the calibration's plan depends on the arguments only (the engine may cut the chunk more)
+        problem = _calibration_plan(args.max_rows, args.prefill_chunk, max_cache_len(args))[1]
+        if problem:
+            p.error(problem)
     if args.loads != list(LOADS) and args.rates and len(args.rates) != 3:
         p.error(f"--loads picks among three rates; --rates gave {len(args.rates)}")
     if args.loads != list(LOADS) and not args.rates and len(args.load_factors) != 3:

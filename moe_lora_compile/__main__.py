@@ -311,17 +311,34 @@ def _device_error(device: Optional[str]) -> Optional[str]:
     return None
 
 
+def _switch_error() -> Optional[str]:
+    """A malformed on/off ``MOE_LORA_*`` variable (one line), or None."""
+    from . import settings
+
+    try:
+        settings.check_switches()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def _folder_error(folder: str) -> Optional[str]:
-    """Why the dump cannot be written into ``folder`` (one line), or None: checked before the model is built."""
+    """Why the dump cannot be written into ``folder`` (one line), or None: checked before the model is built, by
+    creating the folder and a file in it (``os.access`` says yes to root everywhere, /proc included)."""
     if not folder.strip():
         return "the dump folder's name is empty"
     path = os.path.abspath(folder)
-    while not os.path.exists(path):  # the nearest existing ancestor must be a writable folder
-        path = os.path.dirname(path)
-    if not os.path.isdir(path):
-        return f"{folder}: {path} is a file, not a folder"
-    if not os.access(path, os.W_OK | os.X_OK):
-        return f"{folder}: {path} is not writable"
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"{folder}: {existing} is a file, not a folder"
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        return f"{folder}: cannot write there ({error.strerror or error})"
     return None
 
 
@@ -336,7 +353,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)  # before torch loads: --help and bad arguments answer at once
     if args.verbose:
         os.environ["MOE_LORA_PROGRESS"] = "1"
-    problem = _device_error(args.device)
+    problem = _device_error(args.device) or _switch_error()
     if args.command == "dump" and not problem:
         problem = _folder_error(args.folder)
         if not problem and importlib.util.find_spec("depyf") is None:

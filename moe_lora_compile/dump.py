@@ -29,7 +29,7 @@ class DumpReport:
     files: list[str]  # the files this dump wrote (older files in the folder are not counted)
     post_grad_files: list[str]
     sites: list[FusedOpSite]
-    recompiled: bool = False  # the model had compiled before: Dynamo's caches were reset to compile it again
+    recompiled: bool = False  # Dynamo's cache answered the first run: its caches were reset and it compiled again
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -43,7 +43,9 @@ class DumpReport:
         if self.recompiled:
             lines.append("(the model had compiled before this call: torch.compiler.reset() cleared Dynamo's caches "
                          "and it compiled again under depyf)")
-        if not self.post_grad_files:
+        if not self.files:
+            lines.append("nothing was traced: is the callable compiled (mlc.compile or torch.compile)?")
+        elif not self.post_grad_files:
             lines.append("no post-grad graph was written: is the callable compiled with the Inductor backend "
                          "(mlc.compile, or torch.compile with the default backend)?")
         counts = self.op_counts()
@@ -87,18 +89,20 @@ def dump_graphs(compiled: Any, example_inputs: Sequence, folder: str, *,
     are off meanwhile so the post-grad graph is really built and written.
 
     Best called for the first run of ``compiled``. If it has run before with these inputs, Dynamo's cache answers
-    and nothing is traced; then ``torch.compiler.reset()`` clears Dynamo's caches (every compiled callable in the
-    process compiles again on its next call) and the call is repeated under depyf (``report.recompiled``)."""
+    and nothing is written; then ``torch.compiler.reset()`` clears Dynamo's caches (every compiled callable in the
+    process compiles again on its next call) and the call is repeated under depyf (``report.recompiled`` when that
+    compiled a graph). A callable that is not compiled writes nothing either way (and costs that reset); one
+    compiled with another backend than Inductor writes Dynamo's files but no post-grad graph, and is not reset."""
     import depyf
 
     from .compile import pass_runs
 
     os.makedirs(folder, exist_ok=True)
     report = _dump_once(depyf, pass_runs, compiled, example_inputs, example_kwargs, folder)
-    if not report.post_grad_files:
+    if not report.files:  # Dynamo's cache answered (or nothing is compiled): compile again under depyf
         torch.compiler.reset()
         report = _dump_once(depyf, pass_runs, compiled, example_inputs, example_kwargs, folder)
-        report.recompiled = True
+        report.recompiled = bool(report.files)
     return report
 
 

@@ -31,13 +31,15 @@ def reload() -> None:
 class Switch:
     """One environment variable: ``name``, the value used when it is unset (``default``), what it does (``doc``);
     ``read_once``: read at first use and kept (hot-path switches); ``strict``: :meth:`enabled` refuses a value that
-    is neither an on nor an off word (a typo must not turn a switch on; False for Triton's own variable)."""
+    is neither an on nor an off word (a typo must not turn a switch on; False for Triton's own variable);
+    ``on_off``: an on/off switch (False: its values are words of its own, checked where it is read)."""
 
     name: str
     default: str
     doc: str
     read_once: bool = False
     strict: bool = True
+    on_off: bool = True
 
     def raw(self) -> Optional[str]:
         """The variable's value, or None when it is unset."""
@@ -67,7 +69,7 @@ PDL = Switch("MOE_LORA_PDL", "late",
              "programmatic dependent launch between a layer's kernels on SM90+: 0 (off), late (default: the next "
              "kernel may launch once this one's programs are past their main loop), early, 1 (= late); when set it "
              "wins over a tuned config entry's 'pdl' (precedence: moe_lora_compile.ops.triton.configs.requested_pdl)",
-             read_once=True)
+             read_once=True, on_off=False)
 CHECK_IDS = Switch("MOE_LORA_CHECK_IDS", "1",
                    "device-side range asserts of topk_ids / token_lora_ids in the CUDA impls (no host sync; off while "
                    "a CUDA graph is captured); 0 turns them off", read_once=True)
@@ -99,8 +101,16 @@ CONFIGS = Switch("MOE_LORA_CONFIGS", "auto",
                  "moe_lora_compile/configs/<gpu>.json and <gpu>_linear.json, the heuristics where none), 0 (the "
                  "heuristics only: the baseline of a tuning A/B), or a GPU name whose tables to use (e.g. 'NVIDIA "
                  "H200' on a card that has none of its own; moe_lora_compile.ops.triton.configs.table_gpu)",
-                 read_once=True)
+                 read_once=True, on_off=False)
 SWITCHES: tuple[Switch, ...] = (PDL, CHECK_IDS, PASS_LOG, PROGRESS, VLLM, PAIR_SHRINK, EARLY_SHRINK, CONFIGS)
+
+
+def check_switches() -> None:
+    """ValueError naming the first on/off switch set to a word that is neither (the CLI asks before any work,
+    instead of failing where the switch is first read)."""
+    for switch in SWITCHES:
+        if switch.on_off:
+            switch.enabled()
 
 # Not ours, read here for what it changes in our code: Triton's interpreter (kernels on CPU tensors; no PDL).
 TRITON_INTERPRET = Switch("TRITON_INTERPRET", "0", "Triton's own: 1 runs @triton.jit kernels in its interpreter",

@@ -57,3 +57,26 @@ def test_dump_after_a_first_call_recompiles_and_ignores_stale_files(tmp_path):
     assert report.op_counts() == {"fused_moe_lora": 1, "lora_linear": 1}
     assert str(stale) not in report.files and len(report.post_grad_files) == 1
     assert "compiled again under depyf" in report.summary()
+
+
+def test_dump_of_a_callable_without_an_inductor_graph_says_so(tmp_path):
+    """An eager-backend compile writes Dynamo's files but no post-grad graph: no reset (another compiled function
+    keeps its graph), no claim that it "compiled again"; an uncompiled callable writes nothing and is told so."""
+    pytest.importorskip("depyf")
+    torch._dynamo.reset()
+    other = torch.compile(lambda t: t * 2, backend="eager")
+    other(torch.randn(3))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    eager_backend = torch.compile(OneLayer(), backend="eager")
+    x, ids = torch.randn(6, H), torch.tensor([0, -1, 2, 1, -1, 0], dtype=torch.int32)
+    report = dump_graphs(eager_backend, (x, ids), str(tmp_path / "eager"))
+    assert report.files and not report.post_grad_files and not report.recompiled
+    assert "no post-grad graph" in report.summary() and "compiled again" not in report.summary()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        other(torch.randn(3))  # its graph survived the dump
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames + 1  # the eager-backend model only
+
+    plain = dump_graphs(OneLayer(), (x, ids), str(tmp_path / "plain"))
+    assert not plain.files and not plain.recompiled
+    assert "nothing was traced" in plain.summary() and "compiled again" not in plain.summary()
+    torch._dynamo.reset()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -103,13 +104,20 @@ def test_serve_bench_loads_need_three_rates(capsys):
     assert exited.value.code == 2 and "three rates" in capsys.readouterr().err
 
 
-def test_serve_bench_calibration_with_a_small_prefill_chunk(tmp_path):
+def test_serve_bench_calibration_with_a_small_prefill_chunk(tmp_path, capsys):
     """The rate calibration admits its rows over several steps when the prefill chunk is small: the rows' token
     budget covers that (before, --prefill-chunk 4 ended in "fewer adapter slots than distinct adapters", which
-    was not the cause); where the workload's cache cannot cover it, the error names the prefill chunk that can."""
+    was not the cause); where the workload's cache cannot cover it, a usage error names the prefill chunk that can,
+    before the model is built (it was a traceback after it: --max-rows 64 too)."""
     out = str(tmp_path / "chunk.json")
     assert main(["serve-bench", "--tiny", "--prefill-chunk", "8", "--configs", "no_lora", "--json", out]) == 0
     (calibration,) = [r for r in json.load(open(out)) if r["kind"] == "calibration"]
     assert calibration["saturation_rps"] > 0
-    with pytest.raises(RuntimeError, match=r"prefill chunk of 1 tokens admits 4 rows .* --prefill-chunk of at least 8"):
-        main(["serve-bench", "--tiny", "--prefill-chunk", "1", "--configs", "no_lora"])
+    capsys.readouterr()  # that run's log
+    for argv, needle in ((["--prefill-chunk", "1"], r"prefill chunk of 1 tokens admits 4 rows .* --prefill-chunk of "
+                                                    r"at least 8"),
+                         (["--max-rows", "64", "--buckets", "64"], r"admits 64 rows .* --prefill-chunk of at least")):
+        with pytest.raises(SystemExit) as exited:
+            main(["serve-bench", "--tiny", *argv, "--configs", "no_lora"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(err) == 1 and re.search(needle, err[0]), err
