@@ -57,6 +57,10 @@ from .sampling import sample
 from .store import AdapterStore, NoFreeSlot
 
 FINISH_REASONS = ("length", "eos", "stop", "cancelled", "error")
+# Requests wait and none is live (their adapters find no slot: every one is held outside the engine, e.g. by a
+# DecodeGraphs batch through the store): no step of ours can change that, only a release elsewhere. The stepping
+# thread then waits this long between steps (a submit or cancel wakes it at once) instead of spinning a core.
+STALL_WAIT_S = 0.01
 
 
 @dataclasses.dataclass
@@ -108,6 +112,8 @@ class RequestHandle:
     def cancel(self) -> None:
         """End the request at the next engine step (``finish_reason="cancelled"``)."""
         self._cancel = True
+        with self.engine._cond:
+            self.engine._cond.notify_all()  # a stalled engine steps now
 
     def __iter__(self) -> Iterator[int]:
         seen = 0
@@ -209,6 +215,7 @@ class ServingEngine:
         self._running: dict[int, _Live] = {}
         self._free_rows = list(range(max_rows))
         self._bypassed = 0  # requests admitted past the oldest waiting one while it found no slot
+        self._stalled = False  # the last step left requests waiting and none live (see STALL_WAIT_S)
         self._next_id = 0
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -360,13 +367,20 @@ class ServingEngine:
             finally:
                 self._step_thread = None
             with self._cond:
+                self._stalled = bool(self._waiting) and not (self._prefilling or self._running)
                 self._cond.notify_all()
                 return not self.idle
+
+    def _back_off(self) -> None:
+        """After a step that left requests waiting with none live: wait :data:`STALL_WAIT_S` (or a submit/cancel)."""
+        with self._cond:
+            if self._stalled:
+                self._cond.wait(STALL_WAIT_S)
 
     def run(self) -> None:
         """Step until no request is waiting or live."""
         while self.step():
-            pass
+            self._back_off()
 
     def start(self) -> "ServingEngine":
         """Run the steps in a background thread (until :meth:`stop`); handles then wait instead of stepping."""
@@ -401,6 +415,7 @@ class ServingEngine:
                     self.step()
                 except BaseException:  # step() failed every request with the error; the thread ends
                     return
+                self._back_off()
         finally:  # waiting handles take over the steps
             with self._cond:
                 if self._thread is threading.current_thread():
@@ -418,6 +433,7 @@ class ServingEngine:
                     self._cond.wait()
                     continue
             self.step()
+            self._back_off()
 
     def _check_not_in_step(self, what: str) -> None:
         if self._step_thread == threading.get_ident():
@@ -447,7 +463,9 @@ class ServingEngine:
             try:
                 slot, held = self._acquire(adapter)
             except NoFreeSlot as error:  # every slot is held by live requests: wait for one to end
-                if not (self._running or self._prefilling or self.store.in_use):
+                # (error.held: the holders when acquire failed; store.in_use read now could miss a hold released
+                # in between, and fail a request that the next step serves)
+                if not (self._running or self._prefilling or error.held):
                     # nothing live holds a slot (they are taken by adapters loaded into mm directly): none will
                     # ever be freed by this engine, so waiting would never end
                     self._waiting.remove(handle)

@@ -52,7 +52,13 @@ from ..ops.contract import NO_ADAPTER
 
 
 class NoFreeSlot(RuntimeError):
-    """:meth:`AdapterStore.acquire` found no slot: every slot holds an adapter that in-flight requests use."""
+    """:meth:`AdapterStore.acquire` found no slot: every slot holds an adapter that in-flight requests use.
+    ``held``: the names that held slots then (empty: the slots hold adapters loaded into the model directly, which
+    no release of a request frees)."""
+
+    def __init__(self, message: str, held: Sequence[str] = ()):
+        super().__init__(message)
+        self.held = tuple(held)
 
 
 @dataclasses.dataclass
@@ -219,7 +225,8 @@ class AdapterStore:
                 free = self._free_slots()
                 evictable = [n for n in self._lru if not self._pinned(n) and n not in wanted]
                 if len(missing) > len(free) + len(evictable):
-                    raise NoFreeSlot(self._full_message(wanted, missing, free))
+                    raise NoFreeSlot(self._full_message(wanted, missing, free),
+                                     held=[n for n in self._lru if self._pinned(n)])
                 plan = []
                 for n in missing:
                     if free:

@@ -461,6 +461,67 @@ def test_adapters_an_engine_pins_are_never_evicted_by_the_store(setup):
     store.release(["a1"])
 
 
+def test_a_request_waiting_on_a_slot_held_elsewhere_does_not_spin(setup):
+    """Every slot held outside the engine (here the store's own acquire, as a DecodeGraphs batch does): a request
+    for another adapter waits until the release. The thread stepping the engine (here its own) backs off between
+    steps that cannot change anything (it ran ~10^5 empty steps a second, a core busy) and serves the request once
+    the slot is released elsewhere."""
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    store = AdapterStore(mm)
+    store.register("a0", random_adapter(mm, 1))
+    store.register("a1", random_adapter(mm, 2))
+    engine = _engine(mm, store=store)
+    calls = [0]
+    step = engine.step
+
+    def counted_step():
+        calls[0] += 1
+        return step()
+
+    engine.step = counted_step
+    store.acquire(["a0"])  # held outside the engine
+    p = setup.prompts[0]
+    handle = engine.submit(p, adapter="a1", max_new_tokens=4, eos_token_ids=())
+    engine.start()
+    try:
+        time.sleep(0.5)
+        stalled_calls = calls[0]
+        assert not handle.done
+        store.release(["a0"])
+        assert handle.result() == alone(mm, p, "a1", 4, eos=[])
+    finally:
+        engine.stop()
+    assert 1 <= stalled_calls <= 200, stalled_calls  # ~50 at STALL_WAIT_S = 10 ms
+
+
+def test_a_hold_released_during_a_failed_acquire_is_waited_for(setup):
+    """The slot's holder releases it right after the request's acquire failed: the engine decides from the holders
+    the failed acquire saw (NoFreeSlot.held), so the request waits a step and is served. It read store.in_use
+    afterwards, found nothing held, and failed the request as one no release could ever serve."""
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    store = AdapterStore(mm)
+    store.register("a0", random_adapter(mm, 1))
+    store.register("a1", random_adapter(mm, 2))
+    engine = _engine(mm, store=store)
+    store.acquire(["a0"])
+    acquire = store.acquire
+
+    def racing_acquire(names):
+        try:
+            return acquire(names)
+        except NoFreeSlot as error:
+            assert error.held == ("a0",)
+            if store.in_use:
+                store.release(["a0"])  # the holder lets go between the failure and the engine's decision
+            raise
+
+    store.acquire = racing_acquire
+    p = setup.prompts[0]
+    handle = engine.submit(p, adapter="a1", max_new_tokens=4, eos_token_ids=())
+    engine.run()
+    assert handle.finish_reason == "length" and handle.tokens == alone(mm, p, "a1", 4, eos=[])
+
+
 def test_adapters_in_use_cannot_be_unloaded_or_replaced(setup):
     """While a request decodes with an adapter (loaded in the model directly, or paged in by the store), unloading
     or hot-swapping it is refused; once the request ends both work. Before, both were accepted and the request went
