@@ -110,7 +110,9 @@ class RequestHandle:
         return self.finish_reason is not None
 
     def cancel(self) -> None:
-        """End the request at the next engine step (``finish_reason="cancelled"``)."""
+        """End the request (``finish_reason="cancelled"``): at its next token, or at the next engine step if it gets
+        none before (waiting, prefilling). No token follows the one whose ``on_token`` cancels it, however many
+        tokens a speculative step accepted."""
         self._cancel = True
         with self.engine._cond:
             self.engine._cond.notify_all()  # a stalled engine steps now
@@ -651,6 +653,8 @@ class ServingEngine:
             reason = "stop"
         elif len(handle.tokens) >= handle.request.max_new_tokens:
             reason = "length"
+        elif handle._cancel:  # cancelled (in the callback, or by another thread): none of the step's later tokens
+            reason = "cancelled"
         if reason is None:
             return True
         self._retire(live, reason)

@@ -751,6 +751,25 @@ def test_speculative_engine_equals_each_alone(setup, family):
     assert engine.idle and sorted(engine._free_rows) == [0, 1, 2, 3]
 
 
+def test_a_cancel_in_on_token_ends_the_request_there_whatever_the_draft_count(setup):
+    """on_token cancels at the request's 3rd token: no token follows it, with one-token steps and with steps that
+    accept 3 correct drafts (those went on emitting the rest of the step's accepted tokens)."""
+    mm, p = setup.model, setup.prompts[0]
+    ref = alone(mm, p, "alpha", 9, eos=[])
+
+    def cancel_at_3(handle, token):
+        if len(handle.tokens) == 3:
+            handle.cancel()
+
+    for k in (0, 3):
+        drafts = dict(num_speculative_tokens=k, draft=_ReferenceDraft([p], [ref])) if k else {}
+        engine = _engine(mm, **drafts)
+        handle = engine.submit(p, adapter="alpha", max_new_tokens=9, eos_token_ids=(), on_token=cancel_at_3)
+        engine.run()
+        assert (handle.tokens, handle.finish_reason) == (ref[:3], "cancelled"), k
+        assert engine.idle and sorted(engine._free_rows) == [0, 1, 2, 3]
+
+
 def test_speculative_sampling_and_stops_equal_one_token_steps(setup):
     """The default drafter (prompt lookup), requests sampled with seeds beside greedy ones, an eos and a stop
     sequence: the same tokens and finish reasons as the engine without drafts (sampling position j of a step uses
