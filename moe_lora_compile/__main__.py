@@ -11,7 +11,8 @@
 - ``serve-bench``: ``benchmarks/bench_serving.py`` (the serving benchmark) with the options that follow; its tiny
   mode when there is no CUDA device.
 
-Arguments are parsed before torch is imported (``--help`` answers at once); the reports go to stdout, progress
+``demo`` and ``dump`` parse their arguments before torch is imported (``--help`` answers at once; ``tune`` and
+``serve-bench`` parse theirs in modules that import torch: a few seconds); the reports go to stdout, progress
 lines for the slow steps to stderr (when it is a terminal, or with ``--verbose``); a bad argument or a missing CUDA
 device is one line on stderr and exit code 2.
 """
