@@ -198,6 +198,9 @@ def fused_moe_lora_mxfp4(
     (``[E, I, H]``) as :class:`.mxfp4.Mxfp4Weight`; GPT-OSS defaults (transposed interleaved layout, clamped
     swiglu); ``lora_ranks`` ``[2, L]`` int: each slot's w13 / w2 rank, as for the dense op. Returns ``y [T, H]`` in
     ``x.dtype``."""
+    for name, weight in (("w13", w13), ("w2", w2)):
+        if not isinstance(weight, Mxfp4Weight):
+            raise TypeError(f"{name}: an Mxfp4Weight(blocks, scales), got {type(weight).__name__}")
     return torch.ops.moe_lora.fused_moe_lora_mxfp4(
         x, topk_ids, topk_weights, token_lora_ids, w13.blocks, w13.scales, w2.blocks, w2.scales, lora_a13,
         lora_b13, lora_a2, lora_b2, w13_bias=w13_bias, w2_bias=w2_bias, lora_ranks=lora_ranks, layout=layout,

@@ -9,6 +9,7 @@ from support.cases import TOLERANCES, MoECase
 from support.oracle import moe_lora_oracle
 
 import moe_lora_compile as mlc
+from moe_lora_compile import ops
 from moe_lora_compile.models.mxfp4_gpt_oss import GptOssMxfp4Experts, build_mxfp4_gpt_oss
 from moe_lora_compile.models.tiny import tiny_config
 from moe_lora_compile.ops.mxfp4 import (FP4_E2M1_VALUES, Mxfp4Weight, dequantize_mxfp4, fused_moe_lora_mxfp4_reference,
@@ -222,6 +223,8 @@ def test_mxfp4_reference_refuses_bad_arguments():
         fused_moe_lora_mxfp4_reference(*args[:4], args[4], w2, *args[6:], **kwargs)
     with pytest.raises(ValueError, match="w13"):  # w13 and w2 swapped: shapes disagree
         fused_moe_lora_mxfp4_reference(*args[:4], w2, w13, *args[6:], **kwargs)
+    with pytest.raises(TypeError, match="w13: an Mxfp4Weight"):  # the op's wrapper: was an AttributeError
+        ops.fused_moe_lora_mxfp4(*args[:4], (w13.blocks, w13.scales), w2, *args[6:], **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------
