@@ -72,16 +72,23 @@ class GptOssMxfp4Experts(nn.Module):
     @torch.no_grad()
     def load_weights(self, gate_up: Mxfp4Weight, down: Mxfp4Weight, gate_up_bias: Optional[Tensor] = None,
                      down_bias: Optional[Tensor] = None) -> None:
-        """Copy MXFP4 weights (and biases) in; shapes must match the module's (ValueError otherwise)."""
+        """Copy MXFP4 weights (and biases) in, all checked before any is copied: shapes must match the module's
+        (ValueError otherwise: a bias of another shape would broadcast), weights must be :class:`Mxfp4Weight` s
+        (TypeError)."""
+        pairs = []
         for name, w in (("gate_up_proj", gate_up), ("down_proj", down)):
-            for part in ("blocks", "scales"):
-                dst, src = getattr(self, f"{name}_{part}"), getattr(w, part)
-                if src.shape != dst.shape:
-                    raise ValueError(f"{name}_{part}: expected {list(dst.shape)}, got {list(src.shape)}")
-                dst.copy_(src)
-        for dst, src in ((self.gate_up_proj_bias, gate_up_bias), (self.down_proj_bias, down_bias)):
-            if src is not None:
-                dst.copy_(src)
+            if not isinstance(w, Mxfp4Weight):
+                raise TypeError(f"{name}: an Mxfp4Weight(blocks, scales), got {type(w).__name__}")
+            pairs += [(f"{name}_{part}", getattr(self, f"{name}_{part}"), getattr(w, part))
+                      for part in ("blocks", "scales")]
+        pairs += [(name, dst, src) for name, dst, src in (("gate_up_proj_bias", self.gate_up_proj_bias, gate_up_bias),
+                                                          ("down_proj_bias", self.down_proj_bias, down_bias))
+                  if src is not None]
+        for name, dst, src in pairs:
+            if src.shape != dst.shape:
+                raise ValueError(f"{name}: expected {list(dst.shape)}, got {list(src.shape)}")
+        for _, dst, src in pairs:
+            dst.copy_(src)
 
     @property
     def gate_up(self) -> Mxfp4Weight:

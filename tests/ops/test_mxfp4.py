@@ -174,6 +174,25 @@ def test_byte_counts():
     assert gpt_oss_mxfp4_expert_nbytes(2880, 2880) == 13_236_480 and 3.7 < bf16 / 13_236_480 < 3.8
 
 
+def test_experts_load_weights_checks_everything_before_copying():
+    """A bias without the expert axis broadcast silently into every expert's row; a plain tuple raised an
+    AttributeError; a bad part after a good one left the good one copied. Now: an error naming the part, and the
+    module as it was."""
+    experts = GptOssMxfp4Experts(4, 64, 96, dtype=torch.float32)
+    torch.manual_seed(0)
+    gate_up, down = quantize_mxfp4(torch.randn(4, 64, 192)), quantize_mxfp4(torch.randn(4, 96, 64))
+    before = {k: v.clone() for k, v in experts.state_dict().items()}
+    with pytest.raises(ValueError, match=r"gate_up_proj_bias: expected \[4, 192\], got \[192\]"):
+        experts.load_weights(gate_up, down, torch.randn(192), torch.randn(4, 64))
+    with pytest.raises(ValueError, match="down_proj_blocks"):
+        experts.load_weights(gate_up, quantize_mxfp4(torch.randn(4, 64, 64)))
+    with pytest.raises(TypeError, match="down_proj: an Mxfp4Weight"):
+        experts.load_weights(gate_up, (down.blocks, down.scales))
+    assert all(torch.equal(v, before[k]) for k, v in experts.state_dict().items())
+    experts.load_weights(gate_up, down)
+    assert torch.equal(experts.gate_up_proj_blocks, gate_up.blocks)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the MoE + LoRA reference over MXFP4 experts
 
