@@ -72,7 +72,8 @@ class Request:
     ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed`` (None: drawn from torch's default generator at submit);
     stopping: ``eos_token_ids`` (None: the model's generation config; ``()``: none), ``stop`` (token sequences; the
     request ends after the first one it generates, which stays in its tokens), and ``max_new_tokens``;
-    ``on_token(handle, token)``: called from the engine's thread for every new token (inside a step: waiting for a
+    ``on_token(handle, token)``: called from the engine's thread for every new token, holding the engine's lock
+    (:meth:`~ServingEngine.submit` from other threads waits for it: keep it short) (inside a step: waiting for a
     handle, :meth:`~ServingEngine.generate_many`, :meth:`~ServingEngine.step` and :meth:`~ServingEngine.run` raise
     there; :meth:`~ServingEngine.stop` only signals)."""
 
