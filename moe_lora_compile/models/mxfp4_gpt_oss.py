@@ -19,6 +19,8 @@ the ``kernels`` package).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Optional
 
 import torch
@@ -185,3 +187,77 @@ def build_mxfp4_gpt_oss(config, *, dtype: torch.dtype = torch.bfloat16, device=N
                 module.gate_up_proj_bias.normal_(0.0, std)
                 module.down_proj_bias.normal_(0.0, std)
     return model.eval().requires_grad_(False)
+
+
+def load_mxfp4_gpt_oss(path: str, *, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
+    """GPT-OSS from an MXFP4 checkpoint folder (``config.json`` + ``*.safetensors``: a download of openai/gpt-oss-20b
+    or -120b, or what ``save_pretrained`` of :func:`build_mxfp4_gpt_oss` writes) with its experts kept in MXFP4:
+    :class:`GptOssMxfp4Experts` get the stored blocks and scales as they are, every other tensor is cast to
+    ``dtype``, all on ``device`` (default CPU). transformers' own ``from_pretrained`` dequantizes the experts unless
+    its hub kernels are installed (then they are swizzled for those, a layout ``attach`` refuses); this loader makes
+    no dense copy of the experts at any point (the model is laid out on the meta device first). ValueError for a
+    config that is not an MXFP4 GPT-OSS, or a checkpoint whose tensors miss, exceed or disagree with the model's.
+    Returns the model in eval mode, parameters frozen: ``attach`` it as any model."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "model_type", None) != "gpt_oss":
+        raise ValueError(f"{path}: expected a GPT-OSS checkpoint (model_type 'gpt_oss'), got "
+                         f"{getattr(config, 'model_type', None)!r}")
+    quant = getattr(config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)) != "mxfp4":
+        raise ValueError(f"{path}: config.json has no MXFP4 quantization_config (quant_method {method!r}): load it "
+                         f"with transformers' from_pretrained")
+    device = torch.device(device or "cpu")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        for name, module in list(model.named_modules()):
+            if isinstance(module, GptOssExperts):
+                E, H, two_i = module.gate_up_proj.shape
+                model.set_submodule(name, GptOssMxfp4Experts(
+                    E, H, two_i // 2, dtype=dtype, alpha=getattr(module, "alpha", GPTOSS_ALPHA),
+                    limit=getattr(module, "limit", GPTOSS_LIMIT)))
+    model.to_empty(device=device)
+    for name, module in list(model.named_modules()):  # buffers made at init from the config (rotary inv_freq)
+        if module._non_persistent_buffers_set:
+            if not hasattr(module, "config"):
+                raise ValueError(f"{name}: {type(module).__name__} has buffers computed at init and no config to "
+                                 f"compute them again")
+            model.set_submodule(name, type(module)(module.config).to(device))
+    targets = model.state_dict(keep_vars=True)
+    loaded = set()
+    for file in _safetensors_files(path):
+        with safe_open(file, framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key not in targets:
+                    raise ValueError(f"{file}: tensor {key!r} has no place in the model (not an MXFP4 GPT-OSS "
+                                     f"checkpoint of this config?)")
+                src, dst = f.get_tensor(key), targets[key]
+                if src.shape != dst.shape:
+                    raise ValueError(f"{file}: {key} has shape {list(src.shape)}, the model {list(dst.shape)}")
+                with torch.no_grad():
+                    dst.copy_(src)  # uint8 blocks/scales as stored; float tensors cast to dtype
+                loaded.add(key)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        loaded |= {k for k in targets if k.endswith("lm_head.weight")}
+    missing = sorted(set(targets) - loaded)
+    if missing:
+        raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    return model.eval().requires_grad_(False)
+
+
+def _safetensors_files(path: str) -> list[str]:
+    """The checkpoint's safetensors files: its index's shards, else the ``*.safetensors`` in the folder."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, shard) for shard in shards]
+    files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors file")
+    return files

@@ -8,9 +8,11 @@ import triton.language as tl
 from support.cases import TOLERANCES, MoECase
 from support.oracle import moe_lora_oracle
 
+from transformers import AutoModelForCausalLM
+
 import moe_lora_compile as mlc
 from moe_lora_compile import ops
-from moe_lora_compile.models.mxfp4_gpt_oss import GptOssMxfp4Experts, build_mxfp4_gpt_oss
+from moe_lora_compile.models.mxfp4_gpt_oss import GptOssMxfp4Experts, build_mxfp4_gpt_oss, load_mxfp4_gpt_oss
 from moe_lora_compile.models.tiny import tiny_config
 from moe_lora_compile.ops.mxfp4 import (FP4_E2M1_VALUES, Mxfp4Weight, dequantize_mxfp4, fused_moe_lora_mxfp4_reference,
                                         gpt_oss_mxfp4_expert_nbytes, mxfp4_nbytes, quantize_mxfp4)
@@ -332,6 +334,55 @@ def test_unfused_reference_model_compiles_to_one_graph():
             torch.testing.assert_close(mm(ids, adapters=None, use_cache=False).logits, want,
                                        **TOLERANCES[torch.float32])
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_load_mxfp4_checkpoint_keeps_the_experts_quantized(tmp_path, dtype):
+    """A checkpoint folder (what save_pretrained writes: the real one's names and quantization_config) loads with
+    its experts as GptOssMxfp4Experts holding the stored bytes (transformers' from_pretrained dequantizes them):
+    every tensor bit-exact, the rotary buffers rebuilt, logits equal to the saved model's, also once attached."""
+    saved = build_mxfp4_gpt_oss(_mxfp4_config(), dtype=torch.bfloat16)
+    saved.save_pretrained(tmp_path)
+    model = load_mxfp4_gpt_oss(str(tmp_path), dtype=dtype)
+    experts = [m for m in model.modules() if isinstance(m, GptOssMxfp4Experts)]
+    assert len(experts) == 2 and all(e.gate_up_proj_blocks.dtype == torch.uint8 for e in experts)
+    assert not [n for n, t in model.state_dict().items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    want = saved.to(dtype) if dtype != torch.bfloat16 else saved  # (.to casts the fp32 rotary buffers too)
+    for key, tensor in want.state_dict().items():
+        assert torch.equal(model.state_dict()[key], tensor), key
+    assert torch.equal(model.model.rotary_emb.inv_freq, want.model.rotary_emb.inv_freq)
+    tokens = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, want(tokens).logits)
+        mm, mm_want = (mlc.attach(m, max_loras=2, max_rank=4) for m in (model, want))
+        assert torch.equal(mm(tokens, adapters=None).logits, mm_want(tokens, adapters=None).logits)
+
+
+def test_load_mxfp4_checkpoint_refuses_what_it_cannot_place(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    plain = tmp_path / "plain"
+    AutoModelForCausalLM.from_config(tiny_config("gpt_oss", hidden_size=64, intermediate_size=96)).save_pretrained(plain)
+    with pytest.raises(ValueError, match="no MXFP4 quantization_config"):
+        load_mxfp4_gpt_oss(str(plain))
+    with pytest.raises(ValueError, match="model_type 'gpt_oss'"):
+        load_mxfp4_gpt_oss(str(_saved(tmp_path / "qwen", tiny_config("qwen3_moe"))))
+    folder = tmp_path / "mxfp4"
+    build_mxfp4_gpt_oss(_mxfp4_config()).save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    extra = dict(weights, **{"model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 64, 192)})  # a dense copy
+    save_file(extra, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'model.layers.0.mlp.experts.gate_up_proj' has no place"):
+        load_mxfp4_gpt_oss(str(folder))
+    del weights["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="lacks 1 of the model's tensors.*down_proj_scales"):
+        load_mxfp4_gpt_oss(str(folder))
+
+
+def _saved(folder, config):
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
 
 
 def test_build_refuses_other_families():
