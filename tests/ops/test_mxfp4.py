@@ -472,3 +472,19 @@ def test_gpu_build_and_forward_match_cpu():
     with torch.no_grad():
         torch.testing.assert_close(gpu(tokens.cuda()).logits.cpu(), cpu(tokens).logits, atol=1e-4, rtol=1e-4)
     assert gpu.model.layers[0].mlp.experts.gate_up.device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_gpu_load_mxfp4_checkpoint_onto_cuda(tmp_path):
+    """load_mxfp4_gpt_oss(device="cuda"): every tensor read straight onto the GPU (the rotary buffers too), the
+    experts still uint8; attached with the Triton ops, its logits match the CPU model's reference."""
+    saved = build_mxfp4_gpt_oss(_mxfp4_config(), dtype=torch.float32)
+    saved.save_pretrained(tmp_path)
+    gpu = load_mxfp4_gpt_oss(str(tmp_path), dtype=torch.float32, device="cuda")
+    assert {t.device.type for t in [*gpu.parameters(), *gpu.buffers()]} == {"cuda"}
+    assert gpu.model.layers[0].mlp.experts.gate_up_proj_blocks.dtype == torch.uint8
+    tokens = torch.randint(3, 128, (2, 7))
+    with torch.no_grad():
+        want = saved(tokens).logits
+        got = mlc.attach(gpu, max_loras=2, max_rank=4)(tokens.cuda(), adapters=None).logits.cpu()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
