@@ -4,7 +4,9 @@ compile options of a captured step, Dynamo's recompile limit per bucket, progres
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
+import types
 from typing import Callable, Optional
 
 import torch
@@ -32,6 +34,19 @@ def compile_options(compile) -> Optional[dict]:
         mode_options = torch._inductor.list_mode_options(mode) if mode is not None else {}
         options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **mode_options, **options.get("options", {})}
     return options
+
+
+_COPIES = itertools.count()
+
+
+def own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and counts recompiles, per code object:
+    each DecodeGraphs / RowGraphs compiling the module-level step functions added its buckets' graphs to one cache,
+    so past the recompile limit (sized for one instance's buckets) a later instance's steps ran uncompiled, with
+    only a log line to say so (and the cache held every earlier instance's graphs). A copy per instance keeps its
+    graphs, and their lifetime, its own."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_COPIES)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def compile_limits(compiled: bool, num_buckets: int):

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.contract import NO_ADAPTER
 from ..compile import without_duck_sizing
 from ..models.inputs import check_prompt_values, check_token_ids
-from .common import compile_limits, compile_options, say
+from .common import compile_limits, compile_options, own_code, say
 from .kv_cache import SharedKVStorage, SlotCache
 
 
@@ -236,11 +236,16 @@ class DecodeGraphs:
         self.warmup = warmup
         options = compile_options(compile)
         self.compiled = options is not None
+        self._decode_code = self._prefill_code = None  # the compiled functions' own code (compiled_graphs)
         if self.compiled:
-            self._decode_fn = torch.compile(_decode_forward, dynamic=False, **options)
-            self._prefill_fn = (without_duck_sizing(torch.compile(_prefill_forward, dynamic=True, **options))
-                                if compile_prefill
-                                else _prefill_forward)
+            decode, prefill = own_code(_decode_forward), own_code(_prefill_forward)
+            self._decode_code = decode.__code__
+            self._decode_fn = torch.compile(decode, dynamic=False, **options)
+            if compile_prefill:
+                self._prefill_code = prefill.__code__
+                self._prefill_fn = without_duck_sizing(torch.compile(prefill, dynamic=True, **options))
+            else:
+                self._prefill_fn = _prefill_forward
         else:
             self._decode_fn, self._prefill_fn = _decode_forward, _prefill_forward
         self.log = log
@@ -310,16 +315,25 @@ class DecodeGraphs:
               decode_attention_steps(self.mm.model, enabled=self.attention == "triton")):
             return self._decode_fn(self.mm.model, self._input_ids[:batch], **kwargs)
 
+    def compiled_graphs(self) -> dict[str, int]:
+        """``{"decode": n, "prefill": m}``: the graphs Dynamo holds for this instance's compiled decode step (one
+        per bucket once captured) and prefill (0 where not compiled): a count that a recompile would raise."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        return {name: 0 if code is None else len(_debug_get_cache_entry_list(code))
+                for name, code in (("decode", self._decode_code), ("prefill", self._prefill_code))}
+
     def _compile_limits(self):
         return compile_limits(self.compiled, len(self.batch_sizes))
 
     def _allocate_cache(self) -> None:
         """Allocate the shared K/V storage with one eager (uncompiled) step of the largest bucket, on the current
         stream, before anything is compiled or captured (it is allocated lazily, at the first write)."""
-        if not self._storage.allocated:
-            self._allocate_storage()
-        for cache in self._caches.values():
-            cache.bind()
+        with self.mm.lock:  # its warm-up ids would otherwise land in another thread's forward
+            if not self._storage.allocated:
+                self._allocate_storage()
+            for cache in self._caches.values():
+                cache.bind()
 
     def _allocate_storage(self) -> None:
         batch = self.batch_sizes[-1]
@@ -355,7 +369,12 @@ class DecodeGraphs:
     def capture(self) -> "DecodeGraphs":
         """Warm up and capture one CUDA graph per bucket (largest first, one shared memory pool), logging one line
         per bucket. Capturing again replaces the graphs. With ``capture=False`` only runs one eager warm-up step.
-        Ends any live :class:`DecodeState`."""
+        Ends any live :class:`DecodeState`. Holds ``mm.lock`` throughout: its warm-up ids would otherwise land in
+        another thread's forward."""
+        with self.mm.lock:
+            return self._capture()
+
+    def _capture(self) -> "DecodeGraphs":
         self._epoch += 1
         self._allocate_cache()
         if not self.use_graphs:

@@ -55,7 +55,7 @@ from transformers.cache_utils import Cache
 
 from ..ops.contract import NO_ADAPTER
 from ..compile import without_duck_sizing
-from .common import compile_limits, compile_options, say
+from .common import compile_limits, compile_options, own_code, say
 from .decode import ScalarsWithoutHostCopies
 from .kv_cache import SharedKVStorage, StorageLayer
 
@@ -287,8 +287,9 @@ class RowGraphs:
         self.compiled = options is not None
         self.compiled_prefill = self.compiled and bool(compile_prefill)
         if self.compiled:
-            self._step_fn = torch.compile(_row_step_forward, dynamic=False, **options)
-            self._prefill_fn = (without_duck_sizing(torch.compile(_row_prefill_forward, dynamic=True, **options))
+            self._step_fn = torch.compile(own_code(_row_step_forward), dynamic=False, **options)
+            prefill = torch.compile(own_code(_row_prefill_forward), dynamic=True, **options)
+            self._prefill_fn = (without_duck_sizing(prefill)
                                 if compile_prefill
                                 else _row_prefill_forward)
         else:
@@ -485,7 +486,12 @@ class RowGraphs:
     def capture(self) -> "RowGraphs":
         """Compile (``compile=True``) and capture (``capture=True``) one step per bucket, largest first, and warm the
         compiled prefill; one log line per bucket. Run it before any request is live: the warm-ups write padding
-        rows and row 0's first slots."""
+        rows and row 0's first slots. Holds ``mm.lock`` throughout (its warm-up ids must not land in another
+        thread's forward)."""
+        with self.mm.lock:
+            return self._capture()
+
+    def _capture(self) -> "RowGraphs":
         self._allocate_cache()
         total = time.perf_counter()
         if self.compiled_prefill:

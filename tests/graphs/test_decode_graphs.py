@@ -318,13 +318,6 @@ def test_hot_swap_changes_exactly_the_rows_of_that_adapter(setup):
 
 
 # --- compiled steps -----------------------------------------------------------------------------------------------
-def _decode_graph_count() -> int:
-    """Compiled graphs Dynamo holds for the decode step (its cache entries on ``_decode_forward``)."""
-    from moe_lora_compile.graphs.decode import _decode_forward
-
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(_decode_forward.__code__))
-
-
 def test_compiled_steps_equal_eager_one_graph_per_bucket_no_recompiles(setup):
     """compile=True: each bucket's step is compiled once, in capture(); its logits equal the eager model's; a new
     adapter mix, a smaller batch in the same bucket and a hot swap reuse the graphs."""
@@ -333,7 +326,7 @@ def test_compiled_steps_equal_eager_one_graph_per_bucket_no_recompiles(setup):
     lines = []
     graphs = DecodeGraphs(mm, batch_sizes=(2, 4), max_cache_len=32, capture=False, compile=True,
                           log=lines.append).capture()
-    assert _decode_graph_count() == 2 and sum("compiling decode step" in line for line in lines) == 2
+    assert graphs.compiled_graphs()["decode"] == 2 and sum("compiling decode step" in line for line in lines) == 2
 
     def check(adapters, prompt, steps=2):
         state, last = graphs.prefill(prompt, adapters=adapters)
@@ -353,7 +346,7 @@ def test_compiled_steps_equal_eager_one_graph_per_bucket_no_recompiles(setup):
         check(["alpha", None], prompt[:2])
     finally:
         mm.load_adapter("alpha", os.path.join(setup.workdir, "alpha"), replace=True)
-    assert _decode_graph_count() == 2  # nothing recompiled
+    assert graphs.compiled_graphs()["decode"] == 2  # nothing recompiled
     torch._dynamo.reset()
 
 
@@ -378,6 +371,74 @@ def test_compile_prefill_switch(setup, compile_prefill):
         assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=3, do_sample=False))
     finally:
         torch._dynamo.reset()
+
+
+def test_each_instance_compiles_its_own_buckets(setup):
+    """Five DecodeGraphs of four buckets each in one process: every one compiles its four decode steps (a counting
+    backend sees four frames per instance). The step functions were shared, and so was Dynamo's cache and its
+    recompile limit (sized for one instance's buckets): the third instance compiled two buckets, later ones none,
+    and ran their steps uncompiled (only a log line said so)."""
+    from torch._dynamo.testing import CompileCounter
+
+    mm, prompt = setup.model, setup.input_ids
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    frames = []
+    try:
+        for extra in range(5):
+            before = counter.frame_count
+            graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4, 8), max_cache_len=24 + extra, capture=False,
+                                  compile={"backend": counter}, compile_prefill=False, log=None).capture()
+            with torch.no_grad():
+                for batch in (1, 2, 4, 8):
+                    graphs._forward_step(batch)
+            frames.append(counter.frame_count - before)
+        out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=3)
+        assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=3, do_sample=False))
+    finally:
+        torch._dynamo.reset()
+    assert frames == [4] * 5
+
+
+@pytest.mark.parametrize("setup_call", ["capture", "first_prefill"])
+def test_setting_up_graphs_never_touches_a_running_forward(setup, setup_call):
+    """Another thread is inside a forward of mm (paused after its first layer) when DecodeGraphs.capture() or the
+    first prefill of a fresh instance runs: their warm-up ids waited for mm.lock, so the forward's logits are its
+    own. They wrote mm's id buffers unlocked, mid-forward: every row of it computed with -1 (no adapter)."""
+    import threading
+
+    mm, prompt = setup.model, setup.input_ids
+    with torch.no_grad():
+        want = mm(prompt, adapters=MIXED).logits.clone()
+    graphs = DecodeGraphs(mm, batch_sizes=(1, 2, 4), max_cache_len=24, capture=False, log=None)
+    paused, go, result = threading.Event(), threading.Event(), {}
+
+    def pause(module, args):
+        if not paused.is_set():
+            paused.set()
+            go.wait(30)
+
+    hook = mm.model.model.layers[1].register_forward_pre_hook(pause)
+
+    def serve():
+        with torch.no_grad():
+            result["logits"] = mm(prompt, adapters=MIXED).logits.clone()
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        assert paused.wait(30)
+        target = graphs.capture if setup_call == "capture" else (lambda: graphs.prefill(prompt[:1]))
+        setter = threading.Thread(target=target)
+        setter.start()
+        setter.join(1.0)  # it waits for mm.lock (it wrote the ids before)
+    finally:
+        go.set()
+        hook.remove()
+    server.join(60)
+    setter.join(60)
+    assert not server.is_alive() and not setter.is_alive()
+    assert torch.equal(result["logits"], want)
 
 
 def test_compile_option_errors(setup):
@@ -435,7 +496,7 @@ def test_gpu_replay_equals_eager_new_mix_and_hot_swap_without_recapture(tmp_path
     captures = [line for line in lines if line.startswith("capturing")]
     assert graphs.num_captures == 4 and len(captures) == 4 and "graph 1/4: batch 8" in captures[0]
     if compiled:
-        assert _decode_graph_count() == 4  # one static graph per bucket, all compiled during capture()
+        assert graphs.compiled_graphs()["decode"] == 4  # one static graph per bucket, all compiled during capture()
     tol = _tolerance(dtype)
 
     def check(adapters, prompt, steps=3):
@@ -458,7 +519,7 @@ def test_gpu_replay_equals_eager_new_mix_and_hot_swap_without_recapture(tmp_path
     torch.testing.assert_close(after[1], before[1], **tol)  # beta's row: untouched
     assert graphs.num_captures == 4  # nothing was recaptured
     if compiled:
-        assert _decode_graph_count() == 4  # nor recompiled
+        assert graphs.compiled_graphs()["decode"] == 4  # nor recompiled
     if dtype == torch.float32:  # greedy tokens: the same as the eager model's generate
         out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
         assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False))

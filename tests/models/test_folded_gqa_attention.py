@@ -151,10 +151,6 @@ def _sdpa_calls(gm) -> int:
     return sum(n.target is F.scaled_dot_product_attention for n in gm.graph.nodes)
 
 
-def _entries(fn) -> int:
-    return len(torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__))
-
-
 @pytest.mark.parametrize("mode", ["eager", "all"])
 def test_decode_step_without_repeat_kv_copies(sdpa_setup, mode):
     """The traced decode step of the SDPA model: with "eager" (the default) every layer calls SDPA on K and V
@@ -162,7 +158,6 @@ def test_decode_step_without_repeat_kv_copies(sdpa_setup, mode):
     of that shape. The prefill (dynamic length) is traced with SDPA in both modes; steps equal the eager model; two
     prompt lengths and adapter mixes recompile neither; the model is SDPA again afterwards."""
     from moe_lora_compile.graphs import DecodeGraphs
-    from moe_lora_compile.graphs.decode import _decode_forward, _prefill_forward
 
     mm, prompt = sdpa_setup.model, sdpa_setup.input_ids
     config = mm.model.config
@@ -191,7 +186,7 @@ def test_decode_step_without_repeat_kv_copies(sdpa_setup, mode):
                 torch.testing.assert_close(logits[:, 0], _eager_logits(mm, seq, adapters)[:, -1], atol=2e-5, rtol=0)
         prefills = recorder.graphs[1:]
         assert prefills and all(_sdpa_calls(g) == layers for g in prefills)  # the prefill keeps SDPA
-        assert _entries(_decode_forward) == 1 and _entries(_prefill_forward) == 1
+        assert graphs.compiled_graphs() == {"decode": 1, "prefill": 1}
         assert config._attn_implementation == "sdpa"
     finally:
         torch._dynamo.reset()
@@ -222,7 +217,6 @@ def test_fold_all_inductor_step_equals_eager(sdpa_setup):
     """Inductor compiles the folded decode step (compile=True, eager prefill): logits equal the eager model's, one
     graph for the bucket."""
     from moe_lora_compile.graphs import DecodeGraphs
-    from moe_lora_compile.graphs.decode import _decode_forward
 
     mm, prompt = sdpa_setup.model, sdpa_setup.input_ids
     torch._dynamo.reset()
@@ -236,7 +230,7 @@ def test_fold_all_inductor_step_equals_eager(sdpa_setup):
             logits = graphs.step(state, token)
             seq = torch.cat([seq, token], 1)
             torch.testing.assert_close(logits[:, 0], _eager_logits(mm, seq, MIXED)[:, -1], atol=2e-5, rtol=0)
-        assert _entries(_decode_forward) == 1
+        assert graphs.compiled_graphs()["decode"] == 1
     finally:
         torch._dynamo.reset()
 
@@ -266,7 +260,6 @@ def test_gpu_fold_all_replay_equals_eager(tmp_path, dtype, compiled):
     from torch._inductor.utils import run_and_get_code
 
     from moe_lora_compile.graphs import DecodeGraphs
-    from moe_lora_compile.graphs.decode import _decode_forward
 
     s, mm = _gpu_sdpa_setup(tmp_path, dtype)
     config, prompt = mm.model.config, s.input_ids
@@ -280,7 +273,7 @@ def test_gpu_fold_all_replay_equals_eager(tmp_path, dtype, compiled):
         assert "scaled_dot_product" not in code
         for b in graphs.batch_sizes:  # no repeat_kv copy of the cache
             assert f"({b}, {config.num_attention_heads}, 64, {config.head_dim})" not in code
-        assert _entries(_decode_forward) == 3
+        assert graphs.compiled_graphs()["decode"] == 3
     else:
         graphs.capture()
     assert config._attn_implementation == "sdpa"
@@ -295,7 +288,7 @@ def test_gpu_fold_all_replay_equals_eager(tmp_path, dtype, compiled):
             torch.testing.assert_close(logits[:, 0], _eager_logits(mm, seq, adapters)[:, -1].float(), **tol)
     assert graphs.num_captures == 3
     if compiled:
-        assert _entries(_decode_forward) == 3  # nothing recompiled
+        assert graphs.compiled_graphs()["decode"] == 3  # nothing recompiled
     if dtype == torch.float32:
         out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
         assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False))
