@@ -197,7 +197,8 @@ class DecodeGraphs:
         sizes = sorted(set(batch_sizes)) if not isinstance(batch_sizes, int) else [batch_sizes]
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
             raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
-        if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+        if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
+                or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_speculative_tokens!r}")
         q = 1 + num_speculative_tokens
         if not isinstance(max_cache_len, int) or max_cache_len < q + 1:
@@ -533,7 +534,11 @@ class DecodeGraphs:
         if isinstance(num_tokens, Tensor) and num_tokens.device.type == self.device.type != "cpu":
             keep[:b].copy_(num_tokens.reshape(b))
         else:
-            counts = torch.as_tensor(num_tokens, dtype=torch.long).expand(b)
+            counts = torch.as_tensor(num_tokens)
+            if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool \
+                    or counts.numel() not in (1, b) or counts.dim() > 1:
+                raise ValueError(f"num_tokens must be an int or {b} ints (one per row), got {num_tokens!r}")
+            counts = counts.long().reshape(-1).expand(b)
             if bool(((counts < 1) | (counts > q)).any()):
                 raise ValueError(f"num_tokens must be in 1..{q}, got {counts.tolist()}")
             keep[:b].copy_(counts)
@@ -547,6 +552,8 @@ class DecodeGraphs:
     def _special_ids(self, eos_token_id, pad_token_id):
         gen = self.mm.model.generation_config
         eos = gen.eos_token_id if eos_token_id is None else eos_token_id
+        if isinstance(eos, Tensor) and not eos.is_floating_point() and eos.dim() <= 1:  # as mm.generate takes it
+            eos = eos.tolist()
         if eos is not None and not isinstance(eos, int) and not (
                 isinstance(eos, (list, tuple)) and all(isinstance(t, int) for t in eos)):
             raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
@@ -556,6 +563,22 @@ class DecodeGraphs:
         if pad is None:
             pad = eos[0] if eos else self.pad_token_id
         return torch.tensor(eos, dtype=torch.long, device=self.device), _token_id("pad_token_id", pad, self.vocab_size)
+
+    def _inferred_mask(self, input_ids: Tensor, pad_token_id, eos: Tensor) -> Optional[Tensor]:
+        """The mask ``mm.generate`` infers without one (transformers' rule): ``input_ids != pad`` where the pad id
+        (``pad_token_id``, else the generation config's) is set, occurs in the prompts and is not an EOS id; else
+        None (every token counts). Pad ids that are not left padding: a ValueError (pass the mask), where
+        ``mm.generate`` would mask those tokens out of the middle of a prompt."""
+        pad = self.mm.model.generation_config.pad_token_id if pad_token_id is None else pad_token_id
+        if pad is None or bool(torch.isin(torch.as_tensor(pad), eos.cpu()).any()):
+            return None
+        mask = (input_ids != _token_id("pad_token_id", pad, self.vocab_size)).long()
+        if bool(mask.all()):
+            return None
+        if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask.sum(-1) == 0).any()):
+            raise ValueError(f"input_ids hold the pad id {pad} other than as left padding: pass attention_mask "
+                             f"(mm.generate would infer input_ids != {pad}, masking those tokens)")
+        return mask
 
     @torch.no_grad()
     def generate(self, input_ids: Tensor, *, adapters: Optional[Sequence[Optional[str]]] = None,
@@ -578,11 +601,14 @@ class DecodeGraphs:
         ``[0, vocab)`` (a tensor or nested lists); anything else is a ValueError.
         """
         check_token_ids("input_ids", input_ids)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         if self.query_len > 1 and draft is None:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: generate needs draft= "
                              f"(a callable giving {self.num_speculative_tokens} tokens per sequence)")
+        if self.query_len == 1 and draft is not None:
+            raise ValueError("draft= needs a DecodeGraphs built with num_speculative_tokens > 0 (its steps verify "
+                             "the drafts); this one decodes a token a step")
         S = input_ids.shape[-1]
         steps_worst = max(max_new_tokens - 1, 1)  # prefill keeps room for one step (see prefill), even for 1 token
         if S + steps_worst * self.query_len > self.max_cache_len:
@@ -590,6 +616,8 @@ class DecodeGraphs:
                              f"{max_new_tokens} new ones at {self.query_len} cache slots per step "
                              f"(needs {S + steps_worst * self.query_len})")
         eos, pad = self._special_ids(eos_token_id, pad_token_id)
+        if attention_mask is None:
+            attention_mask = self._inferred_mask(input_ids, pad_token_id, eos)
         state, logits = self.prefill(input_ids, adapters=adapters, attention_mask=attention_mask)
         if self.query_len == 1:
             new = self._greedy_loop(state, logits, max_new_tokens, eos, pad)

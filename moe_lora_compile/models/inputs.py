@@ -10,11 +10,13 @@ from torch import Tensor
 
 
 def check_token_ids(name: str, ids) -> None:
-    """``ids`` must be a ``[batch, seq_len]`` integer tensor (shape and dtype only: no host sync)."""
+    """``ids`` must be a ``[batch, seq_len]`` integer tensor, neither size 0 (shape and dtype only: no host sync)."""
     if not isinstance(ids, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
     if ids.dim() != 2 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"{name} must be [batch, seq_len] integer token ids, got {tuple(ids.shape)} {ids.dtype}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} must have batch, seq_len >= 1, got {tuple(ids.shape)}")
 
 
 def check_prompt_values(input_ids: Tensor, attention_mask: Optional[Tensor], vocab: int) -> None:

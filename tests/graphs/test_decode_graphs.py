@@ -222,6 +222,14 @@ def test_clear_errors(setup):
     (lambda g, p: g.generate(p, max_new_tokens=2, eos_token_id=[1, 500]), ValueError, r"got 500"),
     (lambda g, p: DecodeGraphs(g.mm, batch_sizes=(4,), capture=False, pad_token_id=999), ValueError,
      r"pad_token_id must be a token id in \[0, 128\), got 999"),
+    (lambda g, p: g.generate(p[:0], max_new_tokens=2), ValueError, "batch, seq_len >= 1"),        # no sequence
+    (lambda g, p: g.generate(p, max_new_tokens=True), ValueError, "max_new_tokens"),               # a bool
+    (lambda g, p: DecodeGraphs(g.mm, batch_sizes=(4,), capture=False, num_speculative_tokens=True),  # a bool
+     ValueError, "num_speculative_tokens"),
+    (lambda g, p: g.generate(p, max_new_tokens=2, draft=lambda seqs: None), ValueError,            # ignored before
+     "draft= needs a DecodeGraphs built with num_speculative_tokens > 0"),
+    (lambda g, p: g.generate(torch.cat([p[:, :2], torch.zeros_like(p[:, :1]), p[:, 3:]], 1), max_new_tokens=2),
+     ValueError, "the pad id 0 other than as left padding"),                                      # pad mid-prompt
 ])
 def test_bad_token_inputs(setup, call, error, message):
     """Ids, masks and special tokens are checked before anything runs: a float id would be truncated, a mask of
@@ -229,6 +237,37 @@ def test_bad_token_inputs(setup, call, error, message):
     graphs = DecodeGraphs(setup.model, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
     with pytest.raises(error, match=message):
         call(graphs, setup.input_ids)
+
+
+def test_left_padding_without_a_mask_is_inferred_like_mm_generate(setup):
+    """Prompts left-padded with the pad id and no attention_mask: mm.generate infers the mask (transformers'
+    rule: ids != pad, where the pad id occurs and is no EOS id); DecodeGraphs took the pads for tokens and gave
+    other tokens. An explicit eos_token_id / tensor eos as mm.generate takes them."""
+    mm, prompt = setup.model, setup.input_ids.clone()
+    pad, eos = mm.model.generation_config.pad_token_id, mm.model.generation_config.eos_token_id
+    assert pad is not None and pad not in ([eos] if isinstance(eos, int) else eos or [])
+    prompt[1, :3] = pad
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+    want = mm.generate(prompt, adapters=MIXED, max_new_tokens=6, do_sample=False)
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=6), want)
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=6, attention_mask=(prompt != pad).long()),
+                       want)
+    eos = int(want[0, -3])
+    assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=6, eos_token_id=torch.tensor(eos)),
+                       mm.generate(prompt, adapters=MIXED, max_new_tokens=6, do_sample=False,
+                                   eos_token_id=torch.tensor(eos)))
+
+
+def test_accept_checks_its_counts(setup):
+    graphs = DecodeGraphs(setup.model, batch_sizes=(4,), max_cache_len=32, num_speculative_tokens=2, capture=False,
+                          log=None)
+    state, _ = graphs.prefill(setup.input_ids, adapters=MIXED)
+    graphs.step(state, _tokens((3, 3), seed=1))
+    for bad in ([1, 2], [1, 2, 3, 1], [1.7, 2.2, 2.9], [[1, 1, 1]]):  # a raw expand error; floats were truncated
+        with pytest.raises(ValueError, match="an int or 3 ints"):
+            graphs.accept(state, bad)
+    graphs.accept(state, [1, 3, 2])
+    assert state.lengths[:3].tolist() == [setup.input_ids.shape[1] + n for n in (1, 3, 2)]
 
 
 def test_unloaded_adapter_ends_the_live_batch_and_a_hot_swap_does_not(setup):
