@@ -570,9 +570,12 @@ class DecodeGraphs:
         None (every token counts). Pad ids that are not left padding: a ValueError (pass the mask), where
         ``mm.generate`` would mask those tokens out of the middle of a prompt."""
         pad = self.mm.model.generation_config.pad_token_id if pad_token_id is None else pad_token_id
-        if pad is None or bool(torch.isin(torch.as_tensor(pad), eos.cpu()).any()):
+        if pad is None:
             return None
-        mask = (input_ids != _token_id("pad_token_id", pad, self.vocab_size)).long()
+        pad = _token_id("pad_token_id", pad, self.vocab_size)
+        if pad in eos.tolist():
+            return None
+        mask = (input_ids != pad).long()
         if bool(mask.all()):
             return None
         if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask.sum(-1) == 0).any()):
