@@ -75,6 +75,20 @@ def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
     return model(input_ids=input_ids, **kwargs).logits
 
 
+# generation_config fields that change what greedy decoding picks (with their no-op values): mm.generate applies
+# them through transformers' logits processors; DecodeGraphs.generate takes the argmax of the model's logits
+_GREEDY_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                      "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                      "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
+def _greedy_processors(generation_config) -> list[str]:
+    """The :data:`_GREEDY_PROCESSORS` settings of ``generation_config`` that are not their no-op values."""
+    return [f"{name}={getattr(generation_config, name)!r}" for name, noop in _GREEDY_PROCESSORS.items()
+            if getattr(generation_config, name, noop) not in (noop, None, [], ())]
+
+
 def _token_id(name: str, value, vocab: int) -> int:
     """``value`` as a token id in ``[0, vocab)``, else a ValueError naming ``name``."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
@@ -284,6 +298,7 @@ class DecodeGraphs:
         self._pool = None
         self._epoch = 0
         self.num_captures = 0  # CUDA graphs captured so far, over this object's life
+        self._warned_processors = False  # generate warned once of generation_config settings it does not apply
 
     # --- buckets ---------------------------------------------------------------------------------------------
     def bucket_for(self, batch_size: int) -> int:
@@ -619,6 +634,13 @@ class DecodeGraphs:
                              f"{max_new_tokens} new ones at {self.query_len} cache slots per step "
                              f"(needs {S + steps_worst * self.query_len})")
         eos, pad = self._special_ids(eos_token_id, pad_token_id)
+        ignored = _greedy_processors(self.mm.model.generation_config)
+        if ignored and not self._warned_processors:
+            self._warned_processors = True
+            warnings.warn(f"DecodeGraphs.generate takes the argmax of the logits; the model's generation_config sets "
+                          f"{', '.join(ignored)}, which mm.generate(do_sample=False) applies: their tokens can "
+                          f"differ (set those fields to their defaults for the same tokens)", RuntimeWarning,
+                          stacklevel=3)
         if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, pad_token_id, eos)
         state, logits = self.prefill(input_ids, adapters=adapters, attention_mask=attention_mask)

@@ -258,6 +258,30 @@ def test_left_padding_without_a_mask_is_inferred_like_mm_generate(setup):
                                    eos_token_id=torch.tensor(eos)))
 
 
+def test_generate_warns_of_generation_config_it_does_not_apply(setup):
+    """A checkpoint's generation_config with a repetition penalty (or min_new_tokens, ...): mm.generate applies it
+    even greedy, DecodeGraphs.generate takes the argmax; it says so, once. The tiny model's own config: no word."""
+    import warnings
+
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        graphs.generate(prompt, adapters=MIXED, max_new_tokens=3)
+    config = mm.model.generation_config
+    try:
+        config.repetition_penalty = 1.3
+        with pytest.warns(RuntimeWarning, match=r"sets repetition_penalty=1.3, which mm.generate\(do_sample=False\) "
+                                                r"applies") as caught:
+            graphs.generate(prompt, adapters=MIXED, max_new_tokens=3)
+        assert caught[0].filename == __file__  # the caller's line
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            graphs.generate(prompt, adapters=MIXED, max_new_tokens=3)  # once
+    finally:
+        config.repetition_penalty = 1.0
+
+
 def test_accept_checks_its_counts(setup):
     graphs = DecodeGraphs(setup.model, batch_sizes=(4,), max_cache_len=32, num_speculative_tokens=2, capture=False,
                           log=None)
