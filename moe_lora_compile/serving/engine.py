@@ -44,12 +44,13 @@ import math
 import numbers
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from ..graphs.decode import _validated_draft
+from ..graphs.decode import _greedy_processors, _validated_draft
 from ..graphs.rows import RowGraphs
 from ..ops.contract import NO_ADAPTER
 from .drafts import PromptLookupDraft
@@ -210,6 +211,11 @@ class ServingEngine:
         self.vocab_size = mm.model.get_output_embeddings().weight.shape[0]
         eos = mm.model.generation_config.eos_token_id
         self.default_eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
+        ignored = _greedy_processors(mm.model.generation_config)
+        if ignored:
+            warnings.warn(f"ServingEngine samples each request with its own settings (temperature, top_p, top_k); "
+                          f"the model's generation_config sets {', '.join(ignored)}, which mm.generate applies and "
+                          f"the engine does not: their tokens can differ", RuntimeWarning, stacklevel=2)
         self._cond = threading.Condition()  # guards the queue, the handles' progress and the thread's state
         self._step_lock = threading.Lock()  # one step at a time
         self._step_thread: Optional[int] = None  # the thread running a step (on_token callbacks run in it)

@@ -522,6 +522,21 @@ def test_a_hold_released_during_a_failed_acquire_is_waited_for(setup):
     assert handle.finish_reason == "length" and handle.tokens == alone(mm, p, "a1", 4, eos=[])
 
 
+def test_engine_warns_of_generation_config_it_does_not_apply(setup):
+    """A repetition penalty in the model's generation_config: mm.generate applies it even greedy, the engine's
+    requests do not; the engine says so when built (the tiny model's own config: no word)."""
+    import warnings
+
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        _engine(mm)
+    mm.model.generation_config.repetition_penalty = 1.3
+    with pytest.warns(RuntimeWarning, match="sets repetition_penalty=1.3, which mm.generate applies") as caught:
+        _engine(mm)
+    assert caught[0].filename == __file__
+
+
 def test_adapters_in_use_cannot_be_unloaded_or_replaced(setup):
     """While a request decodes with an adapter (loaded in the model directly, or paged in by the store), unloading
     or hot-swapping it is refused; once the request ends both work. Before, both were accepted and the request went
