@@ -1,10 +1,12 @@
 """What :class:`~moe_lora_compile.graphs.DecodeGraphs` and :class:`~moe_lora_compile.graphs.RowGraphs` share: the
-compile options of a captured step, Dynamo's recompile limit per bucket, progress lines."""
+compile options of a captured step, each instance's own copy of the step functions, Dynamo's recompile limit per
+bucket, the token of padding rows, progress lines."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import sys
 import types
 from typing import Callable, Optional
@@ -34,6 +36,31 @@ def compile_options(compile) -> Optional[dict]:
         mode_options = torch._inductor.list_mode_options(mode) if mode is not None else {}
         options["options"] = {**DEFAULT_INDUCTOR_OPTIONS, **mode_options, **options.get("options", {})}
     return options
+
+
+def in_range(t, n: int) -> bool:
+    """An integer (Python, numpy or a 0-d integer tensor; not a bool) in ``[0, n)``."""
+    if t is None or isinstance(t, bool):
+        return False
+    try:
+        return 0 <= operator.index(t) < n
+    except TypeError:
+        return False
+
+
+def padding_token(pad_token_id, configs, vocab_size: int) -> int:
+    """The token of padding rows (their outputs are discarded): ``pad_token_id`` checked, else the first id in the
+    vocabulary of the configs' pad ids, then eos ids (a config may say -1), else 0."""
+    if pad_token_id is not None:
+        if not in_range(pad_token_id, vocab_size):
+            raise ValueError(f"pad_token_id must be a token id in [0, {vocab_size}), got {pad_token_id!r}")
+        return operator.index(pad_token_id)
+    candidates = []
+    for key in ("pad_token_id", "eos_token_id"):
+        for cfg in configs:
+            ids = getattr(cfg, key, None)
+            candidates += ids if isinstance(ids, (list, tuple)) else [ids]
+    return next((operator.index(t) for t in candidates if in_range(t, vocab_size)), 0)
 
 
 _COPIES = itertools.count()

@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.contract import NO_ADAPTER
 from ..compile import without_duck_sizing
 from ..models.inputs import check_prompt_values, check_token_ids
-from .common import compile_limits, compile_options, own_code, say
+from .common import compile_limits, compile_options, own_code, padding_token, say
 from .kv_cache import SharedKVStorage, SlotCache
 
 
@@ -171,8 +171,9 @@ class DecodeGraphs:
     ``batch_sizes``: the buckets; ``max_cache_len``: cache slots per sequence (prompt + every step's ``q``);
     ``num_speculative_tokens``: ``k`` draft tokens per step, so ``q = 1 + k`` tokens per sequence and step;
     ``capture``: capture CUDA graphs (default: when the model is on CUDA) or run the same step eagerly;
-    ``pad_token_id``: for padding rows (default: the model's, else 0); ``warmup``: eager runs before each capture;
-    ``log``: progress lines (``None`` = silent).
+    ``pad_token_id``: for padding rows (ValueError outside the vocabulary; default: the model's pad id, else its eos
+    where the pad id is missing or out of range, e.g. -1, else 0: :func:`.common.padding_token`); ``warmup``: eager
+    runs before each capture; ``log``: progress lines (``None`` = silent).
 
     ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the whole step with Inductor before
     it is captured: norms, rotary embeddings, residual adds, the router and the attention around the fused
@@ -229,12 +230,10 @@ class DecodeGraphs:
             raise ValueError(f"batch_sizes: {max_batch} x {q} tokens exceed mm.token_lora_ids "
                              f"({mm.token_lora_ids.numel()}); attach with a larger max_tokens")
         self.vocab_size = mm.model.get_input_embeddings().num_embeddings
-        where = "pad_token_id"
-        if pad_token_id is None:
-            pad_token_id = getattr(mm.model.generation_config, "pad_token_id", None)
-            pad_token_id = getattr(mm.model.config, "pad_token_id", None) if pad_token_id is None else pad_token_id
-            where = "pad_token_id (the model's generation config / config; pass pad_token_id=)"
-        self.pad_token_id = _token_id(where, 0 if pad_token_id is None else pad_token_id, self.vocab_size)
+        config = mm.model.config
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.pad_token_id = padding_token(pad_token_id, (mm.model.generation_config, config, text_config),
+                                          self.vocab_size)
 
         from ..models.attention import attention_mode, fold_gqa_mode, use_folded_gqa_attention
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import operator
 import time
 from typing import Callable, Optional, Sequence, Union
 
@@ -55,7 +54,7 @@ from transformers.cache_utils import Cache
 
 from ..ops.contract import NO_ADAPTER
 from ..compile import without_duck_sizing
-from .common import compile_limits, compile_options, own_code, say
+from .common import compile_limits, compile_options, in_range, own_code, padding_token, say
 from .decode import ScalarsWithoutHostCopies
 from .kv_cache import SharedKVStorage, StorageLayer
 
@@ -185,31 +184,6 @@ def _row_prefill_forward(model, input_ids, position_ids, cache, spec, cache_kw, 
     return _run_rows(model, input_ids, position_ids, cache, spec, cache_kw, extra)
 
 
-def _in_range(t, n: int) -> bool:
-    """An integer (Python, numpy or a 0-d integer tensor; not a bool) in ``[0, n)``."""
-    if t is None or isinstance(t, bool):
-        return False
-    try:
-        return 0 <= operator.index(t) < n
-    except TypeError:
-        return False
-
-
-def _padding_token(pad_token_id, configs, vocab_size: int) -> int:
-    """The token of padding rows (their outputs are discarded): ``pad_token_id`` checked, else the first id in the
-    vocabulary of the configs' pad ids, then eos ids (a config may say -1), else 0."""
-    if pad_token_id is not None:
-        if not _in_range(pad_token_id, vocab_size):
-            raise ValueError(f"pad_token_id must be a token id in [0, {vocab_size}), got {pad_token_id!r}")
-        return operator.index(pad_token_id)
-    candidates = []
-    for key in ("pad_token_id", "eos_token_id"):
-        for cfg in configs:
-            ids = getattr(cfg, key, None)
-            candidates += ids if isinstance(ids, (list, tuple)) else [ids]
-    return next((operator.index(t) for t in candidates if _in_range(t, vocab_size)), 0)
-
-
 class RowGraphs:
     """Per-row decode steps of ``mm`` (a :class:`~moe_lora_compile.models.MultiLoRAModel`) over ``max_rows`` cache
     rows of ``max_cache_len`` tokens each, one CUDA graph per bucket.
@@ -275,7 +249,7 @@ class RowGraphs:
         config = mm.model.config
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.vocab_size = mm.model.get_input_embeddings().weight.shape[0]
-        self.pad_token_id = _padding_token(pad_token_id, (mm.model.generation_config, config, text_config),
+        self.pad_token_id = padding_token(pad_token_id, (mm.model.generation_config, config, text_config),
                                            self.vocab_size)
         num_slots = max_cache_len + q  # the real slots, then q scratch slots for padding rows
         mask_spec(text_config, num_slots, self.dtype)  # refuse what per-row masks cannot express first
@@ -337,7 +311,7 @@ class RowGraphs:
 
     # --- rows ----------------------------------------------------------------------------------------------------
     def _check_row(self, row) -> None:
-        if not _in_range(row, self.max_rows):
+        if not in_range(row, self.max_rows):
             raise ValueError(f"row must be in 0..{self.max_rows - 1}, got {row!r}")
 
     def bucket_for(self, num_rows: int) -> int:
@@ -362,7 +336,7 @@ class RowGraphs:
             draft = [self.pad_token_id] * (q - 1)
         elif len(draft) != q - 1:
             raise ValueError(f"draft: {q - 1} tokens (num_speculative_tokens), got {len(draft)}")
-        bad = [t for t in (token, *draft) if not _in_range(t, self.vocab_size)]
+        bad = [t for t in (token, *draft) if not in_range(t, self.vocab_size)]
         if bad:  # the step's embedding lookup would fail with a bare IndexError
             raise ValueError(f"token / draft: ids {bad} are outside the vocabulary [0, {self.vocab_size})")
         self._host_inputs[:, row] = torch.tensor([token, *draft, *range(position, position + q), adapter_slot])

@@ -282,6 +282,23 @@ def test_generate_warns_of_generation_config_it_does_not_apply(setup):
         config.repetition_penalty = 1.0
 
 
+def test_a_config_pad_id_outside_the_vocabulary_falls_back_as_in_row_graphs(setup):
+    """A config saying pad_token_id = -1 (some checkpoints do): padding rows take the eos id, as RowGraphs' do
+    (one rule, graphs.common.padding_token); DecodeGraphs raised, asking for pad_token_id=."""
+    mm, prompt = setup.model, setup.input_ids
+    gen, config = mm.model.generation_config, mm.model.config
+    saved = gen.pad_token_id, config.pad_token_id
+    try:
+        gen.pad_token_id = config.pad_token_id = -1
+        graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+        eos = gen.eos_token_id
+        assert graphs.pad_token_id == (eos if isinstance(eos, int) else eos[0])
+    finally:
+        gen.pad_token_id, config.pad_token_id = saved
+    out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=3, do_sample=False))
+
+
 def test_accept_checks_its_counts(setup):
     graphs = DecodeGraphs(setup.model, batch_sizes=(4,), max_cache_len=32, num_speculative_tokens=2, capture=False,
                           log=None)
