@@ -464,8 +464,8 @@ def test_adapters_an_engine_pins_are_never_evicted_by_the_store(setup):
 def test_a_request_waiting_on_a_slot_held_elsewhere_does_not_spin(setup):
     """Every slot held outside the engine (here the store's own acquire, as a DecodeGraphs batch does): a request
     for another adapter waits until the release. The thread stepping the engine (here its own) backs off between
-    steps that cannot change anything (without it: ~11,000 empty steps in the 0.5 s here, a core busy) and serves the request once
-    the slot is released elsewhere."""
+    steps that cannot change anything (without it: ~11,000 empty steps in the 0.5 s here, a core busy) and serves
+    the request once the slot is released elsewhere."""
     mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
     store = AdapterStore(mm)
     store.register("a0", random_adapter(mm, 1))
