@@ -1,6 +1,7 @@
 """What :class:`~moe_lora_compile.graphs.DecodeGraphs` and :class:`~moe_lora_compile.graphs.RowGraphs` share: the
 compile options of a captured step, each instance's own copy of the step functions, Dynamo's recompile limit per
-bucket, the token of padding rows, progress lines."""
+bucket, the token of padding rows, the checks of a draft's proposal and of greedy-changing generation settings,
+progress lines."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import types
 from typing import Callable, Optional
 
 import torch
+from torch import Tensor
 
 
 def compile_options(compile) -> Optional[dict]:
@@ -64,6 +66,41 @@ def padding_token(pad_token_id, configs, vocab_size: int) -> int:
 
 
 _COPIES = itertools.count()
+
+
+# generation_config fields that change what greedy decoding picks (with their no-op values): mm.generate applies
+# them through transformers' logits processors; DecodeGraphs.generate and the serving engine take the argmax of
+# the model's logits (and warn when one is set)
+GREEDY_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
+                      "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
+                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                      "sequence_bias": None, "exponential_decay_length_penalty": None}
+
+
+def greedy_processors(generation_config) -> list[str]:
+    """The :data:`GREEDY_PROCESSORS` settings of ``generation_config`` that are not their no-op values."""
+    return [f"{name}={getattr(generation_config, name)!r}" for name, noop in GREEDY_PROCESSORS.items()
+            if getattr(generation_config, name, noop) not in (noop, None, [], ())]
+
+
+def validated_draft(proposal, b: int, k: int, vocab: int) -> Tensor:
+    """``draft``'s result as a ``[b, k]`` int64 tensor of ids in ``[0, vocab)``, else a ValueError saying why."""
+    what = f"draft must return [{b}, {k}] integer token ids in [0, {vocab})"
+    if proposal is None:
+        raise ValueError(f"{what}, got None")
+    if not isinstance(proposal, Tensor):
+        try:
+            proposal = torch.as_tensor(proposal)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{what}, got {type(proposal).__name__} ({e})") from None
+    if proposal.dtype.is_floating_point or proposal.dtype.is_complex or proposal.dtype == torch.bool:
+        raise ValueError(f"{what}, got dtype {proposal.dtype}")
+    if tuple(proposal.shape) != (b, k):
+        raise ValueError(f"{what}, got shape {tuple(proposal.shape)}")
+    if proposal.numel() and bool(((proposal < 0) | (proposal >= vocab)).any()):
+        bad = proposal[(proposal < 0) | (proposal >= vocab)].unique().tolist()
+        raise ValueError(f"{what}, got out-of-vocabulary ids {bad[:8]}")
+    return proposal.long()
 
 
 def own_code(fn: Callable) -> Callable:

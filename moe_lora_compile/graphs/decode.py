@@ -39,7 +39,8 @@ from torch.overrides import TorchFunctionMode
 from ..ops.contract import NO_ADAPTER
 from ..compile import without_duck_sizing
 from ..models.inputs import check_prompt_values, check_token_ids
-from .common import compile_limits, compile_options, own_code, padding_token, say
+from .common import (compile_limits, compile_options, greedy_processors, own_code, padding_token, say,
+                     validated_draft)
 from .kv_cache import SharedKVStorage, SlotCache
 
 
@@ -75,20 +76,6 @@ def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
     return model(input_ids=input_ids, **kwargs).logits
 
 
-# generation_config fields that change what greedy decoding picks (with their no-op values): mm.generate applies
-# them through transformers' logits processors; DecodeGraphs.generate takes the argmax of the model's logits
-_GREEDY_PROCESSORS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
-                      "min_length": 0, "min_new_tokens": None, "suppress_tokens": None,
-                      "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-                      "sequence_bias": None, "exponential_decay_length_penalty": None}
-
-
-def _greedy_processors(generation_config) -> list[str]:
-    """The :data:`_GREEDY_PROCESSORS` settings of ``generation_config`` that are not their no-op values."""
-    return [f"{name}={getattr(generation_config, name)!r}" for name, noop in _GREEDY_PROCESSORS.items()
-            if getattr(generation_config, name, noop) not in (noop, None, [], ())]
-
-
 def _token_id(name: str, value, vocab: int) -> int:
     """``value`` as a token id in ``[0, vocab)``, else a ValueError naming ``name``."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
@@ -96,26 +83,6 @@ def _token_id(name: str, value, vocab: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
         raise ValueError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
     return value
-
-
-def _validated_draft(proposal, b: int, k: int, vocab: int) -> Tensor:
-    """``draft``'s result as a ``[b, k]`` int64 tensor of ids in ``[0, vocab)``, else a ValueError saying why."""
-    what = f"draft must return [{b}, {k}] integer token ids in [0, {vocab})"
-    if proposal is None:
-        raise ValueError(f"{what}, got None")
-    if not isinstance(proposal, Tensor):
-        try:
-            proposal = torch.as_tensor(proposal)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{what}, got {type(proposal).__name__} ({e})") from None
-    if proposal.dtype.is_floating_point or proposal.dtype.is_complex or proposal.dtype == torch.bool:
-        raise ValueError(f"{what}, got dtype {proposal.dtype}")
-    if tuple(proposal.shape) != (b, k):
-        raise ValueError(f"{what}, got shape {tuple(proposal.shape)}")
-    if proposal.numel() and bool(((proposal < 0) | (proposal >= vocab)).any()):
-        bad = proposal[(proposal < 0) | (proposal >= vocab)].unique().tolist()
-        raise ValueError(f"{what}, got out-of-vocabulary ids {bad[:8]}")
-    return proposal.long()
 
 
 def _window_warning(window: int, position: int, q: int, rejected: list) -> bool:
@@ -633,7 +600,7 @@ class DecodeGraphs:
                              f"{max_new_tokens} new ones at {self.query_len} cache slots per step "
                              f"(needs {S + steps_worst * self.query_len})")
         eos, pad = self._special_ids(eos_token_id, pad_token_id)
-        ignored = _greedy_processors(self.mm.model.generation_config)
+        ignored = greedy_processors(self.mm.model.generation_config)
         if ignored and not self._warned_processors:
             self._warned_processors = True
             warnings.warn(f"DecodeGraphs.generate takes the argmax of the logits; the model's generation_config sets "
@@ -700,7 +667,7 @@ class DecodeGraphs:
             last = torch.tensor([g[-1] if not d else pad for g, d in zip(generated, done)], device=self.device)
             sequences = [torch.cat([prompts[i], torch.tensor(generated[i], dtype=torch.long, device=self.device)])
                          for i in range(b)]
-            proposal = _validated_draft(draft(sequences), b, k, vocab).to(self.device)
+            proposal = validated_draft(draft(sequences), b, k, vocab).to(self.device)
             if window is not None and not warned:
                 warned = _window_warning(window, state.position, self.query_len, rejected)
             greedy = self.step(state, torch.cat([last[:, None], proposal], dim=1)).argmax(-1)  # [b, q]

@@ -50,7 +50,7 @@ from typing import Callable, Iterator, Optional, Union
 
 import torch
 
-from ..graphs.decode import _greedy_processors, _validated_draft
+from ..graphs.common import greedy_processors, validated_draft
 from ..graphs.rows import RowGraphs
 from ..ops.contract import NO_ADAPTER
 from .drafts import PromptLookupDraft
@@ -211,7 +211,7 @@ class ServingEngine:
         self.vocab_size = mm.model.get_output_embeddings().weight.shape[0]
         eos = mm.model.generation_config.eos_token_id
         self.default_eos = frozenset([] if eos is None else [eos] if isinstance(eos, int) else eos)
-        ignored = _greedy_processors(mm.model.generation_config)
+        ignored = greedy_processors(mm.model.generation_config)
         if ignored:
             warnings.warn(f"ServingEngine samples each request with its own settings (temperature, top_p, top_k); "
                           f"the model's generation_config sets {', '.join(ignored)}, which mm.generate applies and "
@@ -577,7 +577,7 @@ class ServingEngine:
         """Stage each running row's last token and its ``k`` draft tokens at its position; returns the drafts."""
         k = self.num_speculative_tokens
         handles = [x.handle for x in lives]
-        drafts = _validated_draft(self.draft(handles, k), len(lives), k, self.vocab_size).tolist()
+        drafts = validated_draft(self.draft(handles, k), len(lives), k, self.vocab_size).tolist()
         for live, draft in zip(lives, drafts):
             h = live.handle
             self.graphs.set_row(live.row, token=h.tokens[-1], position=len(h.prompt) + len(h.tokens) - 1,
