@@ -476,6 +476,8 @@ class DecodeGraphs:
 
         Writes the tokens' K/V at slots ``state.position .. +q-1`` and advances ``state.position`` and
         ``state.lengths`` by ``q``; :meth:`accept` then drops the rejected ones. One graph replay on CUDA.
+        Host (CPU) ``tokens`` outside the vocabulary are a ValueError; device tokens are used without a host sync,
+        unchecked (there an id outside the vocabulary is a device-side assert).
         """
         self._check_live(state)
         b, batch, q, p = state.batch_size, state.bucket, self.query_len, state.position
@@ -483,6 +485,9 @@ class DecodeGraphs:
         if tuple(tokens.shape) != (b, q):
             raise ValueError(f"tokens must be [{b}, {q}] (batch, 1 + num_speculative_tokens), "
                              f"got {tuple(tokens.shape)}")
+        if tokens.device.type == "cpu" and bool(((tokens < 0) | (tokens >= self.vocab_size)).any()):
+            raise ValueError(f"tokens: ids outside the vocabulary [0, {self.vocab_size}) "
+                             f"(min {int(tokens.min())}, max {int(tokens.max())})")
         if p + q > self.max_cache_len:
             raise ValueError(f"cache full: slot {p} + {q} tokens > max_cache_len={self.max_cache_len}")
         with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap

@@ -181,6 +181,9 @@ def test_clear_errors(setup):
     state, _ = graphs.prefill(prompt[:2], adapters=["alpha", None])
     with pytest.raises(ValueError, match=r"tokens must be \[2, 1\]"):
         graphs.step(state, _tokens((2, 2), seed=0))
+    with pytest.raises(ValueError, match=r"tokens: ids outside the vocabulary \[0, 128\) \(min 0, max 128\)"):
+        graphs.step(state, torch.tensor([[0], [128]]))                 # host ids: checked before the step
+    assert state.position == 6 and state.pending == 0
     with pytest.raises(RuntimeError, match="must follow a step"):
         graphs.accept(state, 1)
     with pytest.raises(ValueError, match="max_cache_len=16 is too small"):
