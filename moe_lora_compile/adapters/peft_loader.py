@@ -11,8 +11,9 @@ Expert keys come in two layouts:
 
 - 3-D (PEFT ``target_parameters``): ``<experts>.base_layer.lora_{A,B}.weight`` / ``<experts>.lora_{A,B}.weight``
   with ``A [E*r, d_a]`` expert-major and ``B [d_b, r*E]`` expert-minor. Which parameter a pair belongs to and on which
-  side A sits come from the shapes (gate_up pairs span ``{H, 2I}``, down pairs ``{H, I}``); only where both sides
-  have the same size does ``peft_version`` break the tie (PEFT < 0.19.0 put A on the weight's dim 1, 0.19.0 on the
+  side A sits come from the shapes (gate_up pairs span ``{H, 2I}``, down pairs ``{H, I}``; the parameter must be one
+  the config's ``target_parameters`` name: another geometry's gate_up can have our down's shapes); only where both
+  sides have the same size does ``peft_version`` break the tie (PEFT < 0.19.0 put A on the weight's dim 1, 0.19.0 on the
   side opposite today's: see ``_PEFT_3D_SWAP``).
 - per expert: ``<experts>.<e>.<gate|up|down>.lora_{A,B}.weight`` (``gate_proj/up_proj/down_proj``, Mixtral
   ``w1/w3/w2``). Gate and up with identical A share it (rank r); otherwise their A's are stacked and B is
@@ -21,7 +22,8 @@ Expert keys come in two layouts:
 Everything a folder says is checked before any slot is written: the config's numbers and patterns, the file's
 integrity and tensor dtypes, the final tensors after scaling and the cast to the slot dtype (finite: a value that
 overflows the slot dtype is an error, never an Inf in a slot), and the base model the adapter was made for, as PEFT
-recorded it. Every problem is a ValueError naming the folder, the file and the problem.
+recorded it. Every problem is a ValueError naming the folder, the file and the problem. A config target of this base
+with no pair in the file (an incomplete file) loads with a warning, as in PEFT.
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class AdapterConfig:
     peft_version: Optional[str]
     base_model_type: Optional[str] = None  # the base's model_type as PEFT recorded it (or its local config.json)
     base_model_source: str = ""  # where base_model_type was read
+    # what the config says it adapts (PEFT suffix semantics): a list's entries, or None for a regex / "all-linear"
+    target_modules: Optional[tuple[str, ...]] = None
+    target_parameters: tuple[str, ...] = ()  # 3-D expert parameters, e.g. "mlp.experts.gate_up_proj"
 
     def _pattern_value(self, patterns: dict, name: str, default):
         # PEFT semantics: a pattern matches a module name when it matches a dot-separated suffix of it.
@@ -161,6 +166,21 @@ def _finite_number(field: str, value) -> float:
     if not _is_number(value) or not math.isfinite(value):
         raise _config_error(f"{field} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _names(field: str, value, regex_ok: bool) -> Optional[tuple[str, ...]]:
+    """``target_modules`` / ``target_parameters``: a list of names -> a tuple; None (absent, or for
+    ``target_modules`` a regex string such as "all-linear", whose matches only the base model can tell)."""
+    if value is None or (regex_ok and isinstance(value, str)):
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
+        raise _config_error(f"{field} must be a list of module names, got {value!r}")
+    return tuple(value)
+
+
+def _suffix_match(name: str, target: str) -> bool:
+    """PEFT's rule for a listed target: the whole name, or a dot-separated suffix of it."""
+    return name == target or name.endswith("." + target)
 
 
 def _patterns(field: str, raw: dict, check_value) -> dict:
@@ -264,6 +284,8 @@ def _read_adapter_config(path: str) -> AdapterConfig:
         raise _config_error(f"peft_version must be a string, got {peft_version!r}")
     model_type, source = _recorded_model_type(raw)
     return AdapterConfig(
+        target_modules=_names("target_modules", raw.get("target_modules"), regex_ok=True),
+        target_parameters=_names("target_parameters", raw.get("target_parameters"), regex_ok=False) or (),
         r=_positive_int("r", raw["r"]),
         lora_alpha=_finite_number("lora_alpha", raw.get("lora_alpha", _PEFT_DEFAULT_ALPHA)),
         use_rslora=use_rslora,
@@ -314,12 +336,26 @@ def _pair_keys(tensors: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     for key, value in tensors.items():
         match = _KEY_RE.match(key)
         if match is None:
-            raise _weights_error(f"unsupported adapter weight {key!r} (only lora_A/lora_B weights are served)")
+            raise _weights_error(f"unsupported adapter weight {key!r} ({_unsupported_why(key)})")
         pairs.setdefault(match["module"], {})[match["ab"]] = value
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise _weights_error(f"module {module!r} has lora_{next(iter(ab))} but no partner weight")
     return {module: (ab["A"], ab["B"]) for module, ab in pairs.items()}
+
+
+def _unsupported_why(key: str) -> str:
+    """Why a weight that is no ``lora_A`` / ``lora_B`` pair cannot be served, in the words of what PEFT saved."""
+    module, _, leaf = key.rpartition(".")
+    if re.fullmatch(r"lora_embedding_[AB]", leaf) or module.endswith("embed_tokens.base_layer") \
+            or module.endswith("lm_head.base_layer"):
+        part = module.removesuffix(".base_layer").rpartition(".")[2] or module
+        return (f"LoRA on {part} (embeddings, output layer) is not supported; PEFT saved {part}'s full base weight "
+                f"with its LoRA: adapt the decoder layers only, leaving {part} out of target_modules")
+    if module.endswith(".base_layer"):
+        return (f"a full copy of base weight {module.removesuffix('.base_layer')!r}, saved by PEFT for embedding "
+                f"layers: not a LoRA factor; only lora_A/lora_B weights are served")
+    return "only lora_A/lora_B weights are served"
 
 
 def _renamed(module: str, aliases: dict[str, str]) -> str:
@@ -438,9 +474,7 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
         if name in linear_targets:
             result[name] = _linear_lora(module, a, b, linear_targets[name], config)
             continue
-        base = name
-        while base.endswith(".base_layer"):
-            base = base.removesuffix(".base_layer")
+        base = _without_base_layers(name)
         if base in experts_targets:
             three_d.setdefault(base, []).append((module, a, b))
             continue
@@ -470,6 +504,7 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
     for name, leaves in per_expert.items():
         result[name] = _experts_from_per_expert(leaves, experts_targets[name], config)
 
+    _warn_untouched_targets(config, result, experts_targets, linear_targets)
     for name, lora in result.items():
         for factor in ("a", "a13", "a2"):
             t = getattr(lora, factor, None)
@@ -479,6 +514,36 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
                 raise _weights_error(f"rank {t.shape[-2]} of {name!r}{stacked} exceeds max_rank={max_rank} "
                                      f"(attach with a larger max_rank)")
     return result
+
+
+def _warn_untouched_targets(config: AdapterConfig, result: dict[str, ModuleLoRA], experts_targets, linear_targets
+                            ) -> None:
+    """Warn when the config lists a target that exists in this base model but the weights hold no LoRA pair for any
+    module it names (an incomplete file: those modules would run without the adapter's delta, as PEFT's
+    "missing adapter keys" warning says). Targets this base does not have are not named: PEFT skips them too."""
+    factor_of = {"gate_up_proj": "a13", "down_proj": "a2"}
+    experts = {n: lora for n, lora in result.items() if isinstance(lora, ExpertsLoRA)}
+    missing = []
+    for t in config.target_modules or ():
+        if any(_suffix_match(n, t) for n in linear_targets):
+            if not any(_suffix_match(n, t) for n, lora in result.items() if isinstance(lora, LinearLoRA)):
+                missing.append(t)
+            continue
+        leaf = t.rpartition(".")[2]  # a per-expert projection (gate_proj, w1, ...) of experts of this base
+        names = next((target.per_expert_names for target in experts_targets.values()
+                      if leaf in target.per_expert_names), None)
+        if names is not None:
+            factor = "a2" if leaf == names[2] else "a13"
+            if not any(getattr(lora, factor) is not None for lora in experts.values()):
+                missing.append(t)
+    for t in config.target_parameters:
+        params = [p for p in factor_of if any(_suffix_match(f"{n}.{p}", t) for n in experts_targets)]
+        if params and not any(getattr(lora, factor_of[p]) is not None for p in params
+                              for n, lora in experts.items() if _suffix_match(f"{n}.{p}", t)):
+            missing.append(t)
+    if missing:
+        warnings.warn(f"adapter_config.json targets {missing}, but {WEIGHTS_NAME} holds no LoRA weights for them: "
+                      f"those modules run without this adapter's delta (an incomplete file?)", stacklevel=4)
 
 
 def _summary(experts_targets, linear_targets) -> str:
@@ -505,6 +570,13 @@ def _linear_lora(module: str, a: Tensor, b: Tensor, target: LinearTarget, config
     return LinearLoRA(a=a, b=b * config.scaling_of(module))
 
 
+def _without_base_layers(module: str) -> str:
+    """``<experts>.base_layer(.base_layer...)`` -> ``<experts>`` (PEFT nests one wrapper per targeted parameter)."""
+    while module.endswith(".base_layer"):
+        module = module.removesuffix(".base_layer")
+    return module
+
+
 def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name: str) -> ExpertsLoRA:
     """3-D ``target_parameters`` pairs of one experts module -> :class:`ExpertsLoRA`."""
     E, H, I = target.num_experts, target.hidden, target.intermediate
@@ -519,6 +591,14 @@ def _experts_from_3d(entries, target: ExpertsTarget, config: AdapterConfig, name
                 f"gate_up_proj nor down_proj of a base with E={E}, H={H}, I={I} (adapter made for another base "
                 f"model?)"
             )
+        experts_names = {name, _without_base_layers(module)}
+        targeted = [p for p in sides if any(_suffix_match(f"{n}.{p}", t) for n in experts_names
+                                            for t in config.target_parameters)]
+        if targeted and param not in targeted:  # the shapes of the other projection of another geometry
+            raise _weights_error(
+                f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}: the shapes of {param} of this "
+                f"base (E={E}, H={H}, I={I}), but adapter_config.json's target_parameters adapt only {targeted} "
+                f"here (adapter made for another base model, e.g. another hidden or intermediate size?)")
         n_in, n_out = sides[param]
         r = a.shape[0] // E
         _check_rank(module, f"{name}.{param}", r, config)

@@ -31,6 +31,10 @@ def adapters(tmp_path_factory):
         "attn_only": (base, dict(r=4, target_parameters=None)),
         "big": (base, dict(r=16)),
         "other_geometry": (AutoModelForCausalLM.from_config(tiny_config(FAMILY, num_experts=8)).eval(), dict(r=4)),
+        # experts of half the intermediate size, gate_up only: its pair [H, 2 * I/2] has the shape of our down_proj
+        "half_width_gate_up": (AutoModelForCausalLM.from_config(tiny_config(FAMILY, moe_intermediate_size=12)).eval(),
+                               dict(r=4, target_parameters=["mlp.experts.gate_up_proj"])),
+        "lm_head": (base, dict(r=4, target_modules=["q_proj", "lm_head"], target_parameters=None)),
     }
     peft_models, paths = {}, {}
     for i, (name, (model, overrides)) in enumerate(specs.items()):
@@ -142,6 +146,11 @@ BAD_FOLDERS = [
     ("other_base_geometry", lambda a, d: a["paths"]["other_geometry"], ValueError, "another base model"),
     ("rank_differs_from_config", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"r": 3}),
      ValueError, "adapter_config.json gives rank 3"),
+    # shapes alone would read its gate_up LoRA as our down_proj's: the config's target_parameters say which it is
+    ("other_geometry_same_shapes", lambda a, d: a["paths"]["half_width_gate_up"], ValueError,
+     r"the shapes of down_proj of this base .* target_parameters adapt only \['gate_up_proj'\]"),
+    ("lm_head_lora", lambda a, d: a["paths"]["lm_head"], ValueError,                  # PEFT saves lm_head's weight
+     r"LoRA on lm_head \(embeddings, output layer\) is not supported"),
 ]
 
 
@@ -442,6 +451,21 @@ def test_other_family_with_fitting_names_warns(adapters, tmp_path, how):
     mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
     with pytest.warns(UserWarning, match=r"adapter made for a '(olmoe|gpt_oss)' base .* into a 'qwen3_moe' model"):
         mm.load_adapter("z", path)
+    assert mm.adapters == {"z": 0}
+
+
+def test_weights_missing_a_configured_target_warn(adapters, tmp_path):
+    """A file without the expert pairs its config targets loads (the rest is a valid adapter) but warns, as PEFT
+    does ("missing adapter keys"): those modules would run without the adapter's delta."""
+    path = _copy_with(adapters["paths"]["x"], tmp_path / "no_experts",
+                      lambda t: {k: v for k, v in t.items() if ".experts." not in k})
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
+    with pytest.warns(UserWarning, match=r"targets \[.*\], but adapter_model.safetensors holds no LoRA weights "
+                                         r"for them") as caught:
+        mm.load_adapter("z", path)
+    message = str(caught[0].message)
+    assert "'mlp.experts.gate_up_proj'" in message and "'mlp.experts.down_proj'" in message  # PEFT's order varies
+    assert "q_proj" not in message
     assert mm.adapters == {"z": 0}
 
 
