@@ -109,8 +109,9 @@ class MultiLoRAModel(nn.Module):
         if family.is_moe and not experts:
             raise ValueError(f"model: found no MoE experts under '.{family.block_attr}.experts' in this "
                              f"{family.name} model")
-        if family.activation == "silu" and getattr(self.model.config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"model: hidden_act {self.model.config.hidden_act!r} is not supported (silu only)")
+        if family.activation == "silu" and getattr(self.model.config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"model: hidden_act {self.model.config.hidden_act!r} is not supported (silu only, "
+                             f"which transformers also calls 'swish')")
         for name, module in experts.items():
             add_lora_buffers(module, layout=family.layout, activation=family.activation,
                              routing_weight_on_input=family.routing_weight_on_input, max_loras=self.max_loras,

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops.contract import GPTOSS_ALPHA, GPTOSS_LIMIT
 from ..ops.layout import expert_geometry
 from ..ops.reference import fused_moe_lora_reference
+from .routers import llama4_topk_router
 
 EXPERTS_IMPLEMENTATION = "moe_lora"
 
@@ -103,18 +103,12 @@ class Llama4MoELoRABlock(nn.Module):
         self.hidden_dim = block.hidden_dim
         self.num_experts = block.num_experts
         self.experts = block.experts
-        self.router = block.router
+        self.router = llama4_topk_router(block.router, fused_router)
         self.shared_expert = block.shared_expert
         self.fused_router = fused_router
 
     def forward(self, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-        if self.fused_router:
-            router_logits, top_weights, top_index = torch.ops.moe_lora.route(
-                hidden_states, self.router.weight, self.router.bias, self.top_k, "topk_sigmoid")
-        else:
-            router_logits = F.linear(hidden_states, self.router.weight, self.router.bias)
-            top_values, top_index = torch.topk(router_logits, self.top_k, dim=1)
-            top_weights = torch.sigmoid(top_values.float()).to(hidden_states.dtype)
+        (top_weights, top_index), router_logits = self.router(hidden_states)  # a module call: transformers' hook
         routed = moe_lora_experts_forward(self.experts, hidden_states, top_index, top_weights)
         return self.shared_expert(hidden_states) + routed, router_logits

@@ -6,8 +6,8 @@ records ``output_router_logits`` with hooks on the router class). Only routers w
 have read and matched (:data:`VERIFIED_ROUTERS`: transformers 5.17 and 5.24 have the same text; the fingerprint is a
 hash of it) are swapped; any other router keeps transformers' forward (logged once at debug level). DeepSeek-V3's
 router (sigmoid scores, ``e_score_correction_bias``, group-limited top-k) is not covered and stays as it is;
-Llama-4's MoE block is swapped whole (:class:`~moe_lora_compile.models.experts.Llama4MoELoRABlock`), which calls
-the op itself.
+Llama-4's MoE block is swapped whole (:class:`~moe_lora_compile.models.experts.Llama4MoELoRABlock`), and its
+router to :class:`Llama4TopKMixin`'s forward (the op, or transformers' math without ``fused_router``).
 """
 
 from __future__ import annotations
@@ -117,6 +117,44 @@ def fuse_router(module: nn.Module) -> bool:
     module.moe_lora_route = route_options(module, spec)
     module.__class__ = _fused_class(type(module))
     return True
+
+
+class Llama4TopKMixin:
+    """Llama-4's router inside :class:`~moe_lora_compile.models.experts.Llama4MoELoRABlock`: ``forward(hidden
+    [T, H]) -> ((weights [T, k], ids [T, k] int64), logits [T, E])``, the top-k the block routes with, and the logits
+    at index 1 where transformers records them (``OutputRecorder(Llama4Router, index=1)``: a hook on the router
+    class, so the block must call the module). ``moe_lora_fused``: one ``moe_lora.route`` call
+    (``"topk_sigmoid"``), else transformers' ``F.linear`` + ``topk`` + ``sigmoid``."""
+
+    moe_lora_fused: bool
+
+    def forward(self, hidden_states: Tensor) -> tuple[tuple[Tensor, Tensor], Tensor]:
+        if self.moe_lora_fused:
+            logits, weights, ids = torch.ops.moe_lora.route(hidden_states, self.weight, self.bias, int(self.top_k),
+                                                            "topk_sigmoid")
+        else:
+            logits = torch.nn.functional.linear(hidden_states, self.weight, self.bias)
+            values, ids = torch.topk(logits, self.top_k, dim=1)
+            weights = torch.sigmoid(values.float()).to(hidden_states.dtype)
+        return (weights, ids), logits
+
+
+_topk_classes: dict[type, type] = {}
+
+
+def llama4_topk_router(module: nn.Module, fused: bool) -> nn.Module:
+    """Swap ``module`` (a ``Llama4Router``) in place to :class:`Llama4TopKMixin`'s forward: same module,
+    parameters and hooks, ``isinstance`` still holds. Returns it."""
+    cls = type(module)
+    if isinstance(module, Llama4TopKMixin):
+        cls = cls.__mro__[2]  # swapped before (an attach refused after it): the original class
+    swapped = _topk_classes.get(cls)
+    if swapped is None:
+        swapped = type(f"{cls.__name__}TopK", (Llama4TopKMixin, cls), {"__module__": __name__})
+        _topk_classes[cls] = swapped
+    module.moe_lora_fused = bool(fused)
+    module.__class__ = swapped
+    return module
 
 
 def fuse_routers(model: nn.Module, block_names) -> list[str]:

@@ -93,3 +93,19 @@ def test_attach_freezes_base_weights_so_a_plain_forward_works():
     assert not any(p.requires_grad for p in mm.parameters())
     logits = mm(torch.randint(3, 128, (2, 5)), adapters=[None, None]).logits
     assert logits.shape == (2, 5, 128) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("act, supported", [
+    ("swish", True),   # transformers' other name of SiLU (ACT2FN["swish"] is SiLU): the same experts
+    ("gelu", False),   # another activation: refused, never computed as SiLU
+])
+def test_hidden_act_names(act, supported):
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", hidden_act=act)).eval()
+    if not supported:
+        with pytest.raises(ValueError, match=f"hidden_act '{act}' is not supported"):
+            attach(copy.deepcopy(base))
+        return
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(attach(copy.deepcopy(base))(ids).logits, base(ids).logits)

@@ -300,18 +300,26 @@ def test_attach_fused_router_off_keeps_transformers_routers():
         attach(transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")), fused_router=1)
 
 
-def test_attached_router_logits_are_recorded():
+@pytest.mark.parametrize("family, fused", [
+    ("qwen3_moe", True),   # the router's class swapped to the op's forward
+    ("llama4", True),      # the MoE block swapped whole: it must still call the router module (the hook's target)
+    ("llama4", False),     # likewise with transformers' own routing math
+])
+def test_attached_router_logits_are_recorded(family, fused):
     """transformers records router_logits with hooks on the router class; the swapped class still matches."""
+    import copy
+
     import transformers
 
     from moe_lora_compile.models.attach import attach
     from moe_lora_compile.models.tiny import tiny_config
 
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
-    ids = torch.randint(3, 128, (1, 6))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    ids = torch.randint(3, 128, (2, 6))
     with torch.no_grad():
         ref = model(ids, output_router_logits=True).router_logits
-        out = attach(model)(ids, output_router_logits=True).router_logits
+        out = attach(copy.deepcopy(model), fused_router=fused)(ids, output_router_logits=True).router_logits
     assert len(out) == len(ref) == 2
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b)
