@@ -108,6 +108,27 @@ def same_shape(node: Node, sizes: Iterable) -> bool:
     return s is not None and len(s) == len(sizes) and all(same(x, y) for x, y in zip(s, sizes))
 
 
+def column_vector(node: Any, out) -> Optional[Node]:
+    """The ``[out]`` vector that ``node`` adds to every row (a bias), through views and casts, else None.
+
+    Walking out from the vector, every node must be ``[1, ..., 1, out]`` until an ``expand`` broadcasts the leading
+    dims; from there on every node keeps ``out`` as its last dim (a view of whole rows). A ``[T]`` vector viewed
+    as ``[T, 1]`` and expanded adds one value per row, not per column: refused even where ``T == out``."""
+    nodes = chain(node)
+    source = nodes[-1]
+    if not isinstance(source, Node) or not same_shape(source, (out,)):
+        return None
+    broadcast = False
+    for n in reversed(nodes[:-1]):
+        s = shape(n)
+        if s is None or not s or not same(s[-1], out):
+            return None
+        broadcast = broadcast or is_call(n, aten.expand.default)
+        if not broadcast and not all(same(d, 1) for d in s[:-1]):
+            return None
+    return source
+
+
 def find_in_chain(node: Node, sizes: Iterable) -> Node:
     """The furthest-back node along ``chain(node)`` with exactly ``sizes`` (the source tensor, before casts).
 

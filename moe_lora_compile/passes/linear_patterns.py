@@ -22,8 +22,8 @@ import torch
 from torch.fx import Node
 
 from . import rank_masks
-from .fx_match import (NoMatch, aten, find_in_chain, insert_call, is_call, name, require, same_shape, shape, skip,
-                       val, where_or_zero)
+from .fx_match import (NoMatch, aten, column_vector, find_in_chain, insert_call, is_call, require, same_shape, shape,
+                       skip, val, where_or_zero)
 
 
 @dataclasses.dataclass
@@ -188,17 +188,16 @@ def match_linear(anchor: Node) -> LinearMatch:
         if found is not None:
             deltas.append(("peft", found))
             continue
-        b = skip(term)
-        require(isinstance(b, Node) and shape(b) is not None and len(shape(b)) == 1,
-                f"{anchor.name}: term {name(b)} is no bias or matmul")
-        bias.append(b)
+        bias.append(term)
     require(len(base) == 1 and len(deltas) == 1 and len(bias) <= 1,
             f"{anchor.name}: want one base linear and one LoRA delta, got {len(base)} and {len(deltas)}")
     (x_base, weight), (form, (x_delta, a, b, extra)) = base[0], deltas[0]
     require(skip(x_base) is skip(x_delta), f"{anchor.name}: base and LoRA read different inputs")
     T, n_in = shape(x_base)
     out = shape(weight)[0]
-    require(not bias or same_shape(bias[0], (out,)), f"{anchor.name}: bias is not [out]")
+    if bias:  # the term as added must be one [out] vector on every row (a [T] one viewed [T, 1] is per row)
+        bias = [column_vector(bias[0], out)]
+        require(bias[0] is not None, f"{anchor.name}: the term besides the linear and the delta is no [out] bias")
     x = find_in_chain(x_base, (T, n_in))
     if form == "multi":
         L, R, _ = shape(a)

@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch.fx import Node
 
-from .fx_match import (TRANSPARENT, NoMatch, aten, insert_call, is_call, require, same, same_shape, shape, sizes_for,
-                       skip, val)
+from .fx_match import (TRANSPARENT, NoMatch, aten, column_vector, insert_call, is_call, require, same, same_shape, shape,
+                       sizes_for, skip, val)
 from .linear_patterns import _peft_delta, _terms, _transposed_2d
 
 
@@ -295,9 +295,9 @@ def match_mixed_linear(anchor: Node) -> MixedLinearMatch:
     _, x, w_t = mms[0]
     weight = _transposed_2d(w_t)
     require(weight is not None, f"{node.name}: base matmul is no x @ W^T")
-    bias = [skip(t) for t in terms if not isinstance(t, tuple)]
     out = shape(weight)[0]
-    require(not bias or same_shape(bias[0], (out,)), f"{node.name}: bias is not [out]")
+    bias = [column_vector(t, out) for t in terms if not isinstance(t, tuple)]
+    require(all(b is not None for b in bias), f"{node.name}: the term besides the base linear is no [out] bias")
     require(skip(x) is skip(batched_x), f"{anchor.name}: adapters read another input than the base linear")
     B = shape(batched_x)[0]
     require(len(shape(batched_x)) >= 2 and same(shape(anchor)[0], B), f"{anchor.name}: rows are not batch rows")

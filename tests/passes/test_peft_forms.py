@@ -200,3 +200,56 @@ def test_functional_expert_lora_with_two_active_adapters():
     (fused,) = [n for n in gm.graph.nodes if n.target == torch.ops.moe_lora.fused_moe_lora.default]
     assert fused.args[6].meta["val"].shape == (1, E, 4 + 2, H)  # lora_a13: one slot, both adapters' ranks
     torch.testing.assert_close(gm(*params, x, idx, weights)[0], want, atol=1e-5, rtol=1e-5)
+
+
+# --- look-alikes: graphs that resemble a fused form but compute something else are left alone -----------------
+class _LinearPlusTerm(nn.Module):
+    """``x W^T + term + (x A^T) B^T * 0.5`` with ``term`` a vector added per column (``[1, out]``: a bias) or per
+    row (``[T, 1]``)."""
+
+    def __init__(self, per_row: bool, n: int = 16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.w, self.a, self.b = (nn.Parameter(torch.randn(*s, generator=g), requires_grad=False)
+                                  for s in ((n, n), (4, n), (n, 4)))
+        self.per_row = per_row
+
+    def forward(self, x, v):
+        term = v.unsqueeze(1) if self.per_row else v.unsqueeze(0)
+        return x @ self.w.T + term + (x @ self.a.T) @ self.b.T * 0.5
+
+
+@pytest.mark.parametrize("per_row, fused", [
+    (False, True),   # a bias: fused with the add in the op
+    (True, False),   # one value per row where T == out: the [T] vector is no [out] bias, whatever its size
+])
+def test_linear_with_a_per_row_term_is_not_read_as_its_bias(per_row, fused):
+    module = _LinearPlusTerm(per_row)
+    g = torch.Generator().manual_seed(1)
+    args = (torch.randn(16, 16, generator=g), torch.randn(16, generator=g) * 3)
+    gm, params = _export(module, args)
+    p = _rewrite(gm)
+    assert dict(p.counts) == ({"lora_linear[peft]": 1} if fused else {})
+    torch.testing.assert_close(gm(*params, *args)[0], module(*args), atol=1e-4, rtol=1e-4)
+
+
+class _ClampedSilu(nn.Module):
+    def forward(self, gate):
+        return nn.functional.silu(gate.clamp(max=25.0))
+
+
+@pytest.mark.parametrize("clamped", [
+    False,  # transformers' silu-GLU experts: fused
+    True,   # silu of a gate clamped at 25, which the fused op's silu-GLU does not clamp: left alone (the activation
+])          # is identified by evaluation, on inputs large enough to reach the clamp)
+def test_experts_activation_that_differs_on_large_inputs_is_not_fused(clamped):
+    experts = _qwen3_experts()
+    if clamped:
+        experts.act_fn = _ClampedSilu()
+    g = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(6, H, generator=g) * 40, torch.rand(6, 2, generator=g)  # gates past 25
+    idx = torch.tensor([[0, 1], [1, 2], [3, 0], [2, 3], [1, 0], [3, 2]])
+    gm, params = _export(experts, (x, idx, weights))
+    p = _rewrite(gm)
+    assert (dict(p.counts) == {}) == clamped
+    torch.testing.assert_close(gm(*params, x, idx, weights)[0], experts(x, idx, weights), atol=1e-3, rtol=1e-4)
