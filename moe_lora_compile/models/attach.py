@@ -107,8 +107,12 @@ class MultiLoRAModel(nn.Module):
         family = self.family
         experts = find_experts(self.model, family)
         if family.is_moe and not experts:
-            raise ValueError(f"model: found no MoE experts under '.{family.block_attr}.experts' in this "
-                             f"{family.name} model")
+            suffix = f".{family.block_attr}.experts"
+            if any(name.endswith(suffix) for name, _ in self.model.named_modules()):
+                raise ValueError(f"model: the MoE experts under '{suffix[1:]}' of this {family.name} model are in "
+                                 f"no layout this library reads (fused 3-D gate_up_proj / down_proj parameters)")
+            warnings.warn(f"model: this {family.name} model has no MoE layer (its config makes every layer dense): "
+                          f"only its dense LoRA targets are attached", stacklevel=4)
         if family.activation == "silu" and getattr(self.model.config, "hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"model: hidden_act {self.model.config.hidden_act!r} is not supported (silu only, "
                              f"which transformers also calls 'swish')")

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from peft import get_peft_model
+from torch import nn
 from torch._dynamo.testing import CompileCounter
 from transformers import AutoModelForCausalLM
 
@@ -109,3 +110,27 @@ def test_hidden_act_names(act, supported):
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(attach(copy.deepcopy(base))(ids).logits, base(ids).logits)
+
+
+def test_moe_family_config_without_moe_layers(tmp_path):
+    """A Qwen3-MoE config whose every layer is dense (``mlp_only_layers``) attaches with a warning, its dense
+    targets only, and serves PEFT's adapter (PEFT adapts what such a model has: here q_proj); experts in a layout
+    the library does not read stay an error."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe", mlp_only_layers=[0, 1])).eval()
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config("qwen3_moe", target_parameters=None)).eval()
+    randomize_lora_(peft_model)
+    peft_model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match="this qwen3_moe model has no MoE layer .* only its dense LoRA targets"):
+        mm = attach(copy.deepcopy(base), max_loras=2, max_rank=8)
+    mm.load_adapter("a", tmp_path)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = mm(ids, adapters=["a", None]).logits
+        torch.testing.assert_close(logits[:1], peft_model(ids[:1]).logits)
+        torch.testing.assert_close(logits[1:], base(ids[1:]).logits)
+    other = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    for layer in other.model.layers:  # experts whose weights are no 3-D parameters
+        layer.mlp.experts.gate_up_proj = nn.Parameter(layer.mlp.experts.gate_up_proj.detach()[0])
+    with pytest.raises(ValueError, match="in no layout this library reads"):
+        attach(other)
