@@ -238,6 +238,17 @@ def check_out_arg(out, x) -> None:
     _expect_device("out", out, x)
 
 
+def check_out_writable(out) -> None:
+    """``out`` of the ``out=`` form, on real tensors (not in fake impls): no two of its elements share memory (an
+    expanded or stride-0 tensor would take every token's row in one place), and not a tensor autograd tracks."""
+    if torch._debug_has_internal_overlap(out) == 1:
+        raise ValueError(f"out must not overlap itself (strides {tuple(out.stride())} for shape {_shape(out)}: an "
+                         f"expanded tensor?); pass a tensor with one element per [T, H] entry, e.g. torch.empty")
+    if out.requires_grad:
+        raise ValueError("out requires grad, but fused_moe_lora(..., out=) is inference only: pass a tensor that "
+                         "does not require grad (or call it without out=)")
+
+
 def check_lora_linear_args(x, weight, lora_a, lora_b, token_lora_ids, bias) -> None:
     """Shape/dtype/device checks of ``lora_linear``; raises ValueError/TypeError naming the argument."""
     _expect_rank("x", x, 2, "[T, in]")

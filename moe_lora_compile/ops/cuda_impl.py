@@ -44,7 +44,7 @@ def _kernel_covers(op: str, x: torch.Tensor, **others) -> bool:
         _WARNED.add(key)
         listed = ", ".join(f"{name} {dtype}" for name, dtype in other.items())
         warnings.warn(f"{op} on CUDA: x is {x.dtype} but {listed}; the Triton kernels take one dtype for all of them, "
-                      f"so this runs the PyTorch reference (slower, and memory-heavy at large token counts); cast them "
+                      f"so this runs the PyTorch reference (much slower); cast them "
                       f"to x's dtype to run the kernels (a PeftModel keeps its LoRA weights in float32 on a half "
                       f"model: load it with autocast_adapter_dtype=False, or cast it after loading)", RuntimeWarning,
                       stacklevel=3)

@@ -8,7 +8,8 @@ per-head ``sinks [H]`` (or None) -> ``out [B, S, H, D]`` in query's dtype, what 
 return as their first output. Semantics: transformers' eager attention (``softmax(q k^T * scaling + mask)`` over
 the slots, with sinks the softmax over ``[slots, sink]`` without the sink column), computed in fp32, with two
 differences: mask entries at or below half the dtype's most negative value count as exactly masked, and a row with
-every slot masked gives zeros (eager would average the values uniformly).
+every slot masked gives zeros (eager would average the values uniformly), and what the cache holds in a slot no
+query row sees never reaches a result (eager's ``0 * NaN`` would).
 
 CUDA (fp32/fp16/bf16, ``n_rep * S <= 128``, ``D <= 256``): the flash-decoding Triton kernel
 (:mod:`.triton.attention_kernels`), which never reads the K/V blocks a mask hides entirely. CPU, float64 and
@@ -80,9 +81,13 @@ def decode_attention_reference(query: Tensor, key: Tensor, value: Tensor, mask: 
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     q = query.to(work).reshape(B, Hkv, (H // Hkv) * S, D)
     scores = torch.matmul(q, key.to(work).transpose(2, 3)).view(B, H, S, L) * scaling
+    values = value.to(work)
     if mask is not None:
         bias = mask[..., :L].to(work)
-        scores = torch.where(bias > torch.finfo(mask.dtype).min / 2, scores + bias, float("-inf"))
+        keep = bias > torch.finfo(mask.dtype).min / 2  # [B or 1, 1, S, L]
+        scores = torch.where(keep, scores + bias, float("-inf"))
+        # a slot no query row sees is 0, not whatever the cache holds there (0 * NaN is NaN), as in the kernel
+        values = torch.where(keep.any(dim=2, keepdim=True).transpose(2, 3), values, 0.0)
     logits = scores
     if sinks is not None:
         logits = torch.cat([scores, sinks.to(work).reshape(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
@@ -90,7 +95,7 @@ def decode_attention_reference(query: Tensor, key: Tensor, value: Tensor, mask: 
     exp = torch.exp(logits - torch.where(top == float("-inf"), 0.0, top))
     denom = exp.sum(dim=-1, keepdim=True)
     probs = (exp / torch.where(denom > 0, denom, 1.0))[..., :L]
-    out = torch.matmul(probs.reshape(B, Hkv, (H // Hkv) * S, L), value.to(work)).view(B, H, S, D)
+    out = torch.matmul(probs.reshape(B, Hkv, (H // Hkv) * S, L), values).view(B, H, S, D)
     return out.transpose(1, 2).to(query.dtype).contiguous()
 
 

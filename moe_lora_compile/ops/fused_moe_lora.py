@@ -24,7 +24,7 @@ from torch import Tensor
 
 from . import cuda_impl
 from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_args, check_index_values,
-                       check_lora_ranks, check_out_arg, check_rank_values)
+                       check_lora_ranks, check_out_arg, check_out_writable, check_rank_values)
 from .layout import CONCAT
 from .reference import fused_moe_lora_reference
 from .autograd import frozen_input_error, recompute_grads_by_slot
@@ -192,6 +192,7 @@ def _fused_moe_lora_out_op(
            w13_bias, w2_bias, layout, activation, values=True, lora_b13_split=lora_b13_split,
            lora_ranks=lora_ranks)
     check_out_arg(out, x)
+    check_out_writable(out)
     out.copy_(fused_moe_lora_reference(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,
@@ -208,6 +209,7 @@ def _fused_moe_lora_out_cuda(out, x, topk_ids, topk_weights, token_lora_ids, w13
            w13_bias, w2_bias, layout, activation, values=cuda_impl.check_values_on_device(),
            lora_b13_split=lora_b13_split, lora_ranks=lora_ranks)
     check_out_arg(out, x)
+    check_out_writable(out)
     cuda_impl.fused_moe_lora_cuda(
         x, topk_ids, topk_weights, token_lora_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
         w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha, limit=limit,

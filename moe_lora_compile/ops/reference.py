@@ -1,7 +1,8 @@
 """Pure-PyTorch reference impls of the ops: the definition of correctness.
 
 Static shapes, fp32 accumulation, no ``.item()`` and no data-dependent Python control flow, so the same code runs on
-CPU and CUDA and traces under ``torch.compile``. "No adapter" (``token_lora_ids == -1``) is data, never a branch.
+CPU and CUDA and traces under ``torch.compile``; called eagerly (the ops' CPU impls), the MoE reference takes the
+tokens in chunks that bound its per-pair weight gathers (``GATHER_BYTES_PER_CHUNK``). "No adapter" (``token_lora_ids == -1``) is data, never a branch.
 A row's LoRA delta is *selected* (``torch.where``, gathers), never multiplied by a 0/1 mask, so a non-finite value
 in a slot the row does not use cannot reach it (``0 * inf`` is NaN), and ``-1`` rows get exactly the base result.
 Per-slot ranks (``lora_ranks``): each slot's factor entries past its rank are dropped (``where``, so whatever the
@@ -78,6 +79,21 @@ def _pair_matmul(xp: Tensor, w: Tensor, experts: Tensor, transposed: bool) -> Te
     return torch.bmm(w_p, xp.unsqueeze(-1)).squeeze(-1)
 
 
+# Eager calls take the tokens in chunks whose per-pair gathers (each pair's expert weights and LoRA factors, in
+# their dtype and the accumulation dtype) stay under this many bytes: the gathers grow with T * k, and unchunked a
+# prefill of T = 2048 at Qwen3-30B-A3B's shape would gather ~300 GB. Each token's result is the same either way, up
+# to rounding (the CPU's batched matmul may sum in another order for another batch size).
+GATHER_BYTES_PER_CHUNK = 256 << 20
+
+
+def _tokens_per_chunk(x: Tensor, k: int, per_expert: tuple) -> int:
+    """Tokens per eager chunk: ``per_expert`` the tensors gathered per pair, each ``[..., E, a, b]`` (one expert's
+    ``[a, b]`` gathered, then converted to the accumulation dtype)."""
+    acc_bytes = 8 if x.dtype == torch.float64 else 4
+    per_pair = sum(t.shape[-1] * t.shape[-2] * (t.element_size() + acc_bytes) for t in per_expert)
+    return max(1, GATHER_BYTES_PER_CHUNK // max(1, per_pair * k))
+
+
 def fused_moe_lora_reference(
     x: Tensor,
     topk_ids: Tensor,
@@ -110,6 +126,15 @@ def fused_moe_lora_reference(
     """
     T, H = x.shape
     k = topk_ids.shape[1]
+    if not torch.compiler.is_compiling():  # eager (the ops' CPU impls, the CUDA fallback): bounded gathers
+        step = _tokens_per_chunk(x, k, (w13, w2, lora_a13, lora_b13, lora_a2, lora_b2))
+        if T > step:
+            kwargs = dict(w13_bias=w13_bias, w2_bias=w2_bias, layout=layout, activation=activation, alpha=alpha,
+                          limit=limit, routing_weight_on_input=routing_weight_on_input,
+                          lora_b13_split=lora_b13_split, lora_ranks=lora_ranks)
+            return torch.cat([fused_moe_lora_reference(x[i:i + step], topk_ids[i:i + step], topk_weights[i:i + step],
+                                                       token_lora_ids[i:i + step], w13, w2, lora_a13, lora_b13,
+                                                       lora_a2, lora_b2, **kwargs) for i in range(0, T, step)])
     transposed = is_transposed(layout)
     acc = torch.float32 if x.dtype != torch.float64 else torch.float64
 

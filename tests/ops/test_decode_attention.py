@@ -127,6 +127,27 @@ def test_fully_masked_row_gives_zeros():
         torch.testing.assert_close(out.to(F64), oracle(q, k, v, mask, 0.25, s), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_unseen_cache_slots_never_reach_the_result(poison):
+    """What the static cache holds in slots no query row sees (stale or garbage K/V past a row's position) does not
+    change the output, in the kernel and in the reference (the CPU op): slots in a block with seen slots (21, 27),
+    and in blocks no row sees (40, 63). Row 1 (position 45) sees slot 40 and must still see its value."""
+    q, k, v, mask, sinks = make_case(2, 4, 2, 2, 16, 64, positions=[19, 45], sinks=True)
+    clean_kernel = decode_attention_triton(q, k, v, mask, 0.25, sinks, block_n=16, num_splits=2)
+    clean_ref = decode_attention_reference(q, k, v, mask, 0.25, sinks)
+    k2, v2 = k.clone(), v.clone()
+    for slot in (21, 27, 40, 63):
+        k2[0, :, slot] = poison
+        v2[0, :, slot] = poison
+    v2[1, :, 40] = 0.0  # row 1 sees slot 40: changing it changes row 1 (the mask is not ignored)
+    got_kernel = decode_attention_triton(q, k2, v2, mask, 0.25, sinks, block_n=16, num_splits=2)
+    got_ref = decode_attention_reference(q, k2, v2, mask, 0.25, sinks)
+    for got, clean in ((got_kernel, clean_kernel), (got_ref, clean_ref)):
+        assert torch.equal(got[0], clean[0])
+        assert torch.isfinite(got).all() and not torch.allclose(got[1], clean[1])
+    torch.testing.assert_close(got_kernel.to(F64), oracle(q, k2, v2, mask, 0.25, sinks), rtol=1e-5, atol=1e-5)
+
+
 def test_mask_broadcast_and_longer_than_cache():
     """A mask [1, 1, S, L + 5] (batch broadcast, longer than the cache: its first L columns count)."""
     q, k, v, _, _ = make_case(3, 4, 2, 2, 16, 30, positions=None)

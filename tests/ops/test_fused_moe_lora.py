@@ -53,6 +53,27 @@ def test_gptoss_clamp_is_active():
     assert not torch.allclose(y.double(), unclamped, atol=1e-2), "the test inputs never reach the clamp"
 
 
+@pytest.mark.parametrize("budget_tokens", [1, 3])  # one token a chunk; chunks of 3 that do not divide T = 7
+def test_eager_op_gathers_in_bounded_chunks(monkeypatch, budget_tokens):
+    """The CPU op gathers each (token, expert) pair's weights; it takes the tokens in chunks so those gathers stay
+    under ``GATHER_BYTES_PER_CHUNK`` (they grow with T * k: a prefill ran out of memory), same result."""
+    from moe_lora_compile.ops import reference
+
+    case = MoECase(T=7, k=2, layout="transposed_interleaved", activation="gptoss_swiglu", bias=True, lora="mixed")
+    args, kwargs = case.make()
+    whole = mlc.fused_moe_lora(*args, **kwargs)
+    per_token = reference._tokens_per_chunk(args[0], case.k, args[4:10])
+    monkeypatch.setattr(reference, "GATHER_BYTES_PER_CHUNK", reference.GATHER_BYTES_PER_CHUNK // per_token
+                        * budget_tokens)
+    seen = []
+    pair_matmul = reference._pair_matmul
+    monkeypatch.setattr(reference, "_pair_matmul", lambda xp, *a: seen.append(xp.shape[0]) or pair_matmul(xp, *a))
+    y = mlc.fused_moe_lora(*args, **kwargs)
+    assert max(seen) == budget_tokens * case.k and sum(seen) == 2 * case.T * case.k  # w13 and w2 per pair
+    torch.testing.assert_close(y, whole)  # equal up to rounding: a batched matmul may sum in another order
+    torch.testing.assert_close(y.double(), moe_lora_oracle(*args, **kwargs), **TOLERANCES[case.dtype])
+
+
 def test_no_adapter_tokens_ignore_lora_weights():
     """A -1 token's output depends on the base weights only: changing every LoRA stack leaves it unchanged."""
     args, kwargs = MoECase(T=6).make()

@@ -234,6 +234,9 @@ def test_out_form_refuses_inputs_that_require_grad():
     (lambda y: y.t(), ValueError, "out must have shape [T, H] = [4, 16] like x"),    # transposed
     (lambda y: y.double(), TypeError, "out must have x's dtype torch.float32, got torch.float64"),
     (lambda y: y[None], ValueError, "out must be 2-D"),
+    # every token's row in one place (an expanded [1, H]): the kernels would write them all there
+    (lambda y: y[:1].expand(4, 16), ValueError, "out must not overlap itself"),
+    (lambda y: y.requires_grad_(True), ValueError, "out requires grad"),  # autograd cannot see the write
 ])
 def test_out_contract_errors(make_out, error, message):
     args, kwargs = MoECase(T=4).make()

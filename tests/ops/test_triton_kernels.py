@@ -567,6 +567,11 @@ def test_nonfinite_slot_stays_in_its_rows(name, value, path):
     y = fused_moe_lora_triton(*args, **kwargs, config=tiny_config(*path)).cpu().double()
     others = torch.tensor(_POISON_IDS) != 1
     torch.testing.assert_close(y[others], ref[others], rtol=1e-4, atol=1e-4)
+    # the poisoned adapter's own rows: non-finite exactly where the float64 oracle's are (GPT-OSS's clamp keeps a
+    # NaN a NaN, as torch.clamp does; it once made those rows finite and wrong)
+    poisoned_ref = oracle(args, kwargs)
+    assert not torch.isfinite(poisoned_ref[~others]).all()
+    torch.testing.assert_close(torch.isfinite(y).all(dim=1), torch.isfinite(poisoned_ref).all(dim=1))
 
 
 def test_lora_linear_nonfinite_slot_stays_in_its_rows():

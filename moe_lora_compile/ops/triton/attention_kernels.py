@@ -106,8 +106,11 @@ def decode_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(logits - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            # a slot no row sees reads as 0 (p is 0 there, and 0 * NaN would be NaN): what the cache holds past the
+            # mask never reaches a result
+            seen = tl.max(keep.to(tl.int32), axis=0) > 0
             v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vl + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+                        mask=(n_ok & seen)[:, None] & d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 

@@ -206,6 +206,8 @@ def fused_moe_lora_triton(
     shrink_kind = dict(pair_row=pair_row, per_pair_shrink=cfg.uses_per_pair_shrink(num_pairs))
     rows = grid_m * block_m
     block_r, block_r2 = _block_r(R), _block_r(R2)
+    # the activation in x's dtype, as transformers keeps it (w2's tensor-core dot reads that dtype): in fp16 a value
+    # above 65504 is inf here, where the reference keeps fp32 (README, the op's arguments)
     act = torch.empty((rows, I), dtype=x.dtype, device=x.device)
     dot_precision = _dot_precision(x.dtype)
 

@@ -615,8 +615,11 @@ def moe_w13_kernel(
     if ACTIVATION == _SILU:
         act = gate * tl.sigmoid(gate) * up
     else:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
+        # propagate_nan: a NaN gate/up stays NaN, as torch.clamp keeps it (the default returns the other operand,
+        # which made a NaN-poisoned adapter's rows finite and wrong)
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                        propagate_nan=tl.PropagateNan.ALL)
         act = (up + 1.0) * gate * tl.sigmoid(gate * alpha)
     act = act.to(act_ptr.dtype.element_ty)
     act_ptrs = act_ptr + rows.to(tl.int64)[:, None] * I + offs_j[None, :]
