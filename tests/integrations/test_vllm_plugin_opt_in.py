@@ -18,10 +18,18 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
     ({"MOE_LORA_VLLM": "1"}, True),
     ({"MOE_LORA_VLLM": "true"}, True),
     ({"VLLM_PLUGINS": "other"}, False),
-    ({"VLLM_PLUGINS": "other, moe_lora_compile"}, True),
+    ({"VLLM_PLUGINS": "other,moe_lora_compile"}, True),
+    # vLLM splits on "," and matches names exactly: " moe_lora_compile" is not loaded, so the plugin is not on
+    ({"VLLM_PLUGINS": "other, moe_lora_compile"}, False),
 ])
 def test_enabled_only_by_env_var_or_vllm_plugins(environ, enabled):
     assert plugin.is_enabled(environ) is enabled
+
+
+def test_a_plugin_name_vllm_will_not_match_is_logged(caplog):
+    with caplog.at_level("WARNING", logger=plugin.__name__):
+        assert plugin.is_enabled({"VLLM_PLUGINS": "other, moe_lora_compile "}) is False
+    assert "vLLM matches plugin names exactly" in caplog.text
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here: a stand-in vllm module would shadow it")
@@ -77,3 +85,39 @@ def test_register_is_idempotent_and_replaces_vllms_method():
     finally:
         if before is None:
             op_registry_oot.pop(_plugin.OOT_NAME, None)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed in this venv (see test_vllm_plugin.py)")
+def test_register_after_a_reload_of_the_plugin_module_still_says_on():
+    """A second import of the plugin's module (importlib.reload, as a notebook's autoreload does) makes a new class
+    object; the one registered first is still ours and serves, so register() says so (it said "stays off")."""
+    import importlib
+
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from moe_lora_compile.integrations.vllm import _plugin
+
+    before = op_registry_oot.get(_plugin.OOT_NAME)
+    try:
+        assert plugin.register(force=True)
+        first = op_registry_oot[_plugin.OOT_NAME]
+        importlib.reload(_plugin)
+        assert _plugin.MoELoRAUnquantizedFusedMoEMethod is not first
+        assert plugin.register(force=True) is True
+        assert op_registry_oot[_plugin.OOT_NAME] is first  # not registered twice (register_oot would assert)
+    finally:
+        if before is None:
+            op_registry_oot.pop(_plugin.OOT_NAME, None)
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed in this venv (see test_vllm_plugin.py)")
+def test_a_lora_context_without_a_field_the_plugin_reads_takes_vllms_path():
+    """Another vLLM whose MoE LoRA context lacks a field the plugin reads: the layer takes vLLM's own path with a
+    reason naming the field (not an AttributeError in the middle of a step)."""
+    from types import SimpleNamespace
+
+    from moe_lora_compile.integrations.vllm import _plugin
+
+    ctx = SimpleNamespace(**{name: None for name in _plugin._CTX_FIELDS if name != "local_token_lora_mapping"})
+    reason = _plugin._config_unsupported(SimpleNamespace(), ctx)
+    assert reason is not None and "lacks local_token_lora_mapping" in reason and "0.32.0" in reason

