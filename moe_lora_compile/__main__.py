@@ -370,7 +370,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         report = run_demo(args.family, dtype=args.dtype, device=args.device, batch=args.batch,
                           seq_len=args.seq_len, peft=not args.skip_peft)
         peft_ok = args.skip_peft or report["peft"]["ok"]
-        return 0 if report["ok"] and report["recompiles"] == 0 and report["graph_breaks"] == 0 and peft_ok else 1
+        one_graph = report["graphs"] == 1 and report["graph_breaks"] == 0 and report["recompiles"] == 0
+        return 0 if report["ok"] and one_graph and peft_ok else 1
     report = run_dump(args.folder, args.family, dtype=args.dtype, device=args.device)
     return 0 if report.sites else 1
 

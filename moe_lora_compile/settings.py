@@ -4,7 +4,7 @@ Switches read on the hot path (every kernel launch or op call: ``MOE_LORA_PDL``,
 ``MOE_LORA_PAIR_SHRINK``, ``MOE_LORA_EARLY_SHRINK``, ``MOE_LORA_CONFIGS``, ``TRITON_INTERPRET``) are read once, at
 their first use, and kept (``read_once``); :func:`reload` forgets what was read (tests that change them call it).
 ``MOE_LORA_PASS_LOG`` is read once too, when :mod:`moe_lora_compile.passes` is imported (it sets up the pass's
-logger: set it before that import).
+logger: set it before that import, which ``import moe_lora_compile`` makes).
 The others are read where they act, at call time. An on/off switch set to a word that is neither is refused, naming
 the variable (:meth:`Switch.enabled`). Imports nothing heavy (the CLI reads it before torch is loaded).
 """
@@ -50,12 +50,15 @@ class Switch:
         return _READ[self.name]
 
     def value(self) -> str:
+        """The value in effect: the variable's, or ``default`` when it is unset or empty (``VAR=`` from an empty
+        shell substitution must not turn a default-on switch off)."""
         raw = self.raw()
-        return self.default if raw is None else raw
+        return self.default if raw is None or not raw.strip() else raw
 
     def enabled(self) -> bool:
-        """False for ``0``, ``false``, ``off``, ``no`` or empty, True for ``1``, ``true``, ``on``, ``yes``
-        (case-insensitive); anything else is a ValueError naming the variable (True, if not ``strict``)."""
+        """False for ``0``, ``false``, ``off``, ``no``, True for ``1``, ``true``, ``on``, ``yes`` (case-insensitive;
+        unset or empty: the default's); anything else is a ValueError naming the variable (True, if not
+        ``strict``)."""
         value = self.value().strip().lower()
         if value in _OFF:
             return False

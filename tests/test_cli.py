@@ -144,3 +144,16 @@ def test_every_environment_switch_is_declared_in_settings():
     assert used <= declared, f"read but not declared in settings.py: {sorted(used - declared)}"
     readme = (root / "README.md").read_text()
     assert all(name in readme for name in declared), [n for n in declared if n not in readme]
+
+
+@pytest.mark.parametrize("counts, code", [
+    (dict(graphs=1, graph_breaks=0, recompiles=0), 0),
+    (dict(graphs=2, graph_breaks=0, recompiles=0), 1),  # two graphs without a break (README: exits 1 unless one)
+    (dict(graphs=1, graph_breaks=1, recompiles=0), 1),
+    (dict(graphs=1, graph_breaks=0, recompiles=1), 1),
+])
+def test_demo_exit_code_needs_one_graph_no_break_no_recompile(monkeypatch, counts, code):
+    import moe_lora_compile.__main__ as cli
+
+    monkeypatch.setattr(cli, "run_demo", lambda *a, **k: dict(ok=True, peft={"ok": True}, **counts))
+    assert cli.main(["demo"]) == code

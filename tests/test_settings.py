@@ -10,13 +10,20 @@ from moe_lora_compile.ops.triton.configs import PDL_EARLY, PDL_LATE, PDL_OFF, re
 
 @pytest.mark.parametrize("value,on", [
     (None, True),      # unset: the default (1)
-    ("", False),       # set but empty: off
+    ("", True),        # set but empty: as unset, the default (an empty substitution must not turn it off)
+    ("  ", True),      # blank likewise
     ("1", True), ("yes", True), (" ON ", True), ("True", True),  # on words, any case, spaces
     ("0", False), ("no", False), ("Off", False), ("false", False),  # off words
 ])
 def test_on_and_off_words(set_switch, value, on):
     set_switch(settings.PAIR_SHRINK, value)
     assert settings.PAIR_SHRINK.enabled() is on
+
+
+def test_empty_is_the_default_of_each_switch(set_switch):
+    set_switch(settings.CHECK_IDS, "")  # default on
+    set_switch(settings.PASS_LOG, "")   # default off
+    assert settings.CHECK_IDS.enabled() is True and settings.PASS_LOG.enabled() is False
 
 
 @pytest.mark.parametrize("switch", [settings.PAIR_SHRINK, settings.CHECK_IDS, settings.PASS_LOG])
