@@ -115,7 +115,9 @@ def make_adapters(model, folder: str, count: int, rank: int, tiny_family: str | 
 def step_bytes(model, batch: int, context: int, adapters_in_batch: int, rank: int) -> float:
     """Bytes one decode step reads at least once: every weight except the experts and the embedding table, the
     batch's expected distinct experts per layer (uniform routing), the KV cache of ``batch`` rows at ``context``
-    tokens, and, with LoRA, ``adapters_in_batch`` adapters' factors on q/k/v/o and on those experts."""
+    tokens (a sliding-window layer: at most its window), and, with LoRA, ``adapters_in_batch`` adapters' factors on
+    q/k/v/o and, for each adapter, on the experts its rows reach (the batch's rows dealt evenly over the
+    adapters, uniform routing)."""
     cfg = model.config
     from moe_lora_compile.models import FAMILIES
     from moe_lora_compile.models.experts import experts_geometry
@@ -138,12 +140,17 @@ def step_bytes(model, batch: int, context: int, adapters_in_batch: int, rank: in
             per_expert = sum(p[0].numel() for p in module.parameters()) * elem
             expert_bytes += distinct * per_expert
             n_layers += 1
-            if adapters_in_batch:
+            if adapters_in_batch:  # each adapter's factors on the experts its own rows reach (rows dealt evenly)
                 lora_per_expert = rank * (H + 2 * I + I + H) * elem
-                total += adapters_in_batch * min(distinct, k * max(1, batch // adapters_in_batch)) * lora_per_expert
+                rows = [batch // adapters_in_batch + (a < batch % adapters_in_batch) for a in range(adapters_in_batch)]
+                total += sum(E * (1 - (1 - k / E) ** n) for n in rows) * lora_per_expert
     total += expert_bytes
     kv_heads, head_dim = cfg.num_key_value_heads, getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    total += batch * context * cfg.num_hidden_layers * 2 * kv_heads * head_dim * elem
+    # a sliding-window layer reads at most its window of the cache (GPT-OSS: every other layer, 128 tokens)
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None) or context
+    kv_tokens = sum(min(context, window) if t == "sliding_attention" else context for t in layer_types)
+    total += batch * kv_tokens * 2 * kv_heads * head_dim * elem
     if adapters_in_batch:
         H = cfg.hidden_size
         q = cfg.num_attention_heads * head_dim
