@@ -53,8 +53,8 @@ import triton
 from bench_mixed_ranks import mixed_ranks_grid, mixed_ranks_markdown
 from bench_mxfp4 import mxfp4_grid, mxfp4_markdown
 from decode_ablation import ablation_markdown, decode_ablation
-from moe_layer import (Layer, bytes_moved, fmt, lora_stacks, make_batch, make_layer, no_adapter, op_call, time_graph,
-                       unfused_layer)
+from moe_layer import (Layer, bytes_moved, copy_bandwidth, fmt, lora_stacks, make_batch, make_layer, no_adapter,
+                       op_call, time_graph, unfused_layer)
 from moe_lora_compile.shapes import BENCHMARK_GRID, MODELS
 
 # vLLM's fused MoE LoRA delta (w13 + w2 of one layer, LoRA only) on this H200, bf16, CUDA graphs (measured with
@@ -202,7 +202,9 @@ def main(argv=None):
     p.add_argument("--no-lora-fractions", nargs="+", type=float, default=list(BENCHMARK_GRID.no_lora_fraction))
     p.add_argument("--columns", nargs="+", default=["unfused", "hf"])
     p.add_argument("--sets", type=int, default=4, help="batches per graph replay (weights alternate 2 sets)")
-    p.add_argument("--hbm-tbs", type=float, default=4.3, help="HBM floor bandwidth, TB/s (measured copy rate)")
+    p.add_argument("--hbm-tbs", type=float, default=None,
+                   help="HBM floor bandwidth, TB/s (default: this GPU's device-to-device copy rate, measured; a "
+                        "fixed 4.3 once gave an H100's floors at the H200's bandwidth)")
     p.add_argument("--warmup-ms", type=int, default=5)
     p.add_argument("--rep-ms", type=int, default=40)
     p.add_argument("--quick", action="store_true", help="T in {1, 32, 512}, L=4, R=16, no -1 tokens")
@@ -220,6 +222,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device (the kernels' CPU runs are the tests: pytest tests/ops)")
+    if a.hbm_tbs is None:
+        a.hbm_tbs = copy_bandwidth(torch.device("cuda")) / 1e12
+        print(f"# HBM floor at {a.hbm_tbs:.2f} TB/s (this GPU's copy rate)", flush=True)
     if a.mxfp4:
         tokens = a.tokens or ([1, 32, 512] if a.quick else [1, 8, 32, 128, 512])
         adapters, ranks = ([4], [16]) if a.quick else (a.adapters, a.ranks)

@@ -207,3 +207,14 @@ def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 10 else f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}"
     return str(v)
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of 20 copies of 1 GiB."""
+    if device.type != "cuda":
+        return float("nan")
+    import triton
+    src = torch.empty(2**30 // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
