@@ -2,7 +2,8 @@
 
 Static shapes, fp32 accumulation, no ``.item()`` and no data-dependent Python control flow, so the same code runs on
 CPU and CUDA and traces under ``torch.compile``; called eagerly (the ops' CPU impls), the MoE reference takes the
-tokens in chunks that bound its per-pair weight gathers (``GATHER_BYTES_PER_CHUNK``). "No adapter" (``token_lora_ids == -1``) is data, never a branch.
+tokens in chunks that bound its per-pair weight gathers (``GATHER_BYTES_PER_CHUNK``). "No adapter"
+(``token_lora_ids == -1``) is data, never a branch.
 A row's LoRA delta is *selected* (``torch.where``, gathers), never multiplied by a 0/1 mask, so a non-finite value
 in a slot the row does not use cannot reach it (``0 * inf`` is NaN), and ``-1`` rows get exactly the base result.
 Per-slot ranks (``lora_ranks``): each slot's factor entries past its rank are dropped (``where``, so whatever the
