@@ -44,11 +44,9 @@ render_decode() {
 
 case $CALL in
 tests)
-  # workers: 8 by default, 4 on a card under 100 GB (14 ran out of memory on the H100's 80 GB, 2026-12-05; 4 passed
-  # the 35 that failed, in 354 s). Untimed: 8 on the H100, and the whole suite at 4 workers, which likely needs
-  # two calls there (split the test paths with pytest arguments of your own)
-  MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
-  DEF_WORKERS=8; [ -n "$MEM_MB" ] && [ "$MEM_MB" -lt 100000 ] && DEF_WORKERS=4
+  # workers: 8 by default. On the H100's 80 GB, 14 ran out of memory (2026-12-05) and 10 twice (12-07); 8 ran the
+  # whole suite in two calls with none (12-07: 93 s for four ops files, 301 s for the rest, split with TEST_PATHS)
+  DEF_WORKERS=8
   if python3 -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-$DEF_WORKERS}" --dist load); else XDIST=(); fi
   # TEST_PATHS: the paths (or node ids) to run (default: all of tests/); an 80 GB card runs the suite in two calls
   # shellcheck disable=SC2086  # TEST_PATHS is a list of words
@@ -110,16 +108,27 @@ decode)
   ;;
 decode2)
   # the second geometry (48 layers: compiles take ~2x) and GPT-OSS's hf_compiled (198 + 126 s of compiles on
-  # 2026-12-04) in a second process; the timed sections of both hold $LOCK
+  # 2026-12-04) in a second process; the timed sections of both hold $LOCK. On a card under 100 GB the two models
+  # (~61 + ~40 GB) do not fit side by side (out of memory on the H100, 2026-12-05 and 12-07): one after the other,
+  # Qwen3 first (~200 s on the H100 with its profile, hf_compiled ~230 s)
   LOCK=/tmp/gpu_timing.lock
-  timeout --signal=INT 540 python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 --prompt 512 \
-    --new 128 --columns hf_compiled --hf-new 32 --gpu-lock "$LOCK" --json "$W/decode_hfc.json" \
-    > "$W/decode_hfc.log" 2>&1 &
-  HFC=$!
-  step decode_qwen 540 python3 benchmarks/bench_decode.py --models qwen3-30b-a3b --batches 1 8 --prompt 512 \
-    --new 128 --columns hf_eager ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill --profile 1 \
-    --gpu-lock "$LOCK" ${DECODE_ARGS:-} --json "$W/decode_qwen.json"
-  wait $HFC; echo "decode_hfc rc=$?" | tee -a "$W/steps.txt"
+  MEM_MB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  HFC_CMD=(python3 benchmarks/bench_decode.py --models gpt-oss-20b --batches 1 8 --prompt 512 --new 128
+    --columns hf_compiled --hf-new 32 --gpu-lock "$LOCK" --json "$W/decode_hfc.json")
+  if [ -n "$MEM_MB" ] && [ "$MEM_MB" -lt 100000 ]; then SIDE_BY_SIDE=0 QWEN_DEF=280; else SIDE_BY_SIDE=1 QWEN_DEF=540; fi
+  if [ "$SIDE_BY_SIDE" = 1 ]; then
+    timeout --signal=INT 540 "${HFC_CMD[@]}" > "$W/decode_hfc.log" 2>&1 &
+    HFC=$!
+  fi
+  # shellcheck disable=SC2086  # DECODE_ARGS is a list of words
+  step decode_qwen "${QWEN_LIMIT:-$QWEN_DEF}" python3 benchmarks/bench_decode.py --models qwen3-30b-a3b --batches 1 8 \
+    --prompt 512 --new 128 --columns hf_eager ours_none ours_lora --hf-new 16 --fuse-qkv --eager-prefill \
+    --profile 1 --gpu-lock "$LOCK" ${DECODE_ARGS:-} --json "$W/decode_qwen.json"
+  if [ "$SIDE_BY_SIDE" = 1 ]; then
+    wait $HFC; echo "decode_hfc rc=$?" | tee -a "$W/steps.txt"
+  else
+    step decode_hfc 300 "${HFC_CMD[@]}"
+  fi
   render_decode
   ;;
 decode_ab)
