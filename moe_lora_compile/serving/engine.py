@@ -38,6 +38,7 @@ Usage::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import math
@@ -45,6 +46,7 @@ import numbers
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Callable, Iterator, Optional, Union
 
@@ -58,6 +60,17 @@ from .sampling import sample
 from .store import AdapterStore, NoFreeSlot
 
 FINISH_REASONS = ("length", "eos", "stop", "cancelled", "error")
+
+# Engines whose thread runs: stopped at interpreter exit (after their current step). A daemon thread still inside a
+# step when the interpreter finalizes aborted the process (SIGABRT, "terminate called without an active exception")
+# for a script that ended without stop().
+_STARTED: "weakref.WeakSet[ServingEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_started_engines() -> None:
+    for engine in list(_STARTED):
+        engine.stop()
 # Requests wait and none is live (their adapters find no slot: every one is held outside the engine, e.g. by a
 # DecodeGraphs batch through the store): no step of ours can change that, only a release elsewhere. The stepping
 # thread then waits this long between steps (a submit or cancel wakes it at once) instead of spinning a core.
@@ -392,13 +405,16 @@ class ServingEngine:
             self._back_off()
 
     def start(self) -> "ServingEngine":
-        """Run the steps in a background thread (until :meth:`stop`); handles then wait instead of stepping."""
+        """Run the steps in a background thread (until :meth:`stop`; at interpreter exit it is stopped after its
+        current step); handles then wait instead of stepping. A step that raises fails every live and waiting
+        request (their handles re-raise the error) and the thread goes on with the next ones."""
         with self._cond:
             if self._thread is not None:
                 raise RuntimeError("the engine's thread is already running")
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="moe-lora-serving", daemon=True)
             self._thread.start()
+            _STARTED.add(self)
         return self
 
     def stop(self) -> None:
@@ -422,13 +438,16 @@ class ServingEngine:
                         return
                 try:
                     self.step()
-                except BaseException:  # step() failed every request with the error; the thread ends
+                except Exception:  # step() failed every live and waiting request with the error: serve the next
+                    pass
+                except BaseException:  # KeyboardInterrupt, SystemExit: the thread ends (waiting handles step)
                     return
                 self._back_off()
         finally:  # waiting handles take over the steps
             with self._cond:
                 if self._thread is threading.current_thread():
                     self._thread = None
+                    _STARTED.discard(self)
                 self._cond.notify_all()
 
     def _wait(self, ready: Callable[[], bool]) -> None:
@@ -441,7 +460,12 @@ class ServingEngine:
                 if self._thread is not None:
                     self._cond.wait()
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # step() ended every live and waiting request with the error: their handles hold
+                if not ready():  # it, and result() / generate_many raise it as they do under start()
+                    raise
+                return
             self._back_off()
 
     def _check_not_in_step(self, what: str) -> None:
@@ -474,9 +498,10 @@ class ServingEngine:
             except NoFreeSlot as error:  # every slot is held by live requests: wait for one to end
                 # (error.held: the holders when acquire failed; store.in_use read now could miss a hold released
                 # in between, and fail a request that the next step serves)
-                if not (self._running or self._prefilling or error.held):
-                    # nothing live holds a slot (they are taken by adapters loaded into mm directly): none will
-                    # ever be freed by this engine, so waiting would never end
+                if not error.held:
+                    # no live request holds a slot (they are taken by adapters loaded into mm directly): none will
+                    # ever be freed by this engine, so waiting would never end (live requests without a slot,
+                    # e.g. of the base model, free none either)
                     self._waiting.remove(handle)
                     handle.error = error
                     self._finish_handle(handle, "error")

@@ -57,7 +57,10 @@ def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
     if filtered is None:
         filtered = bool(((top_p < 1) | (top_k > 0)).any())
     if filtered:
-        ordered, order = scores.sort(dim=-1, descending=True)
+        # ranked by the logits, not the scores: the order is the same for every temperature > 0, but a huge one
+        # rounds the scores to ties (all 0), and top-k / top-p then kept arbitrary tokens
+        order = logits.argsort(dim=-1, descending=True)
+        ordered = scores.gather(1, order)
         probs = ordered.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of the more likely tokens
         ranks = torch.arange(scores.shape[-1], device=scores.device)
@@ -76,8 +79,10 @@ def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor, se
     module docstring says. All parameters are ``[n]`` tensors on the logits' device; ``filtered`` as in
     :func:`filtered_scores` (pass it to keep the call free of host syncs)."""
     hot = temperature > 0
-    # a temperature below float32's range (accepted, > 0) divides by float32's smallest normal instead of 0
-    safe = torch.where(hot, temperature, torch.ones_like(temperature)).float().clamp_min(torch.finfo(torch.float32).tiny)
+    # a temperature outside float32's range (accepted: > 0 and finite) divides by float32's smallest normal instead
+    # of 0, or by its largest number instead of inf (-inf / inf is NaN)
+    f32 = torch.finfo(torch.float32)
+    safe = torch.where(hot, temperature, torch.ones_like(temperature)).clamp(f32.tiny, f32.max).float()
     scores = filtered_scores(logits, safe, top_p, top_k, filtered)
     noise = uniform_noise(seeds, counters, logits.shape[-1])
     drawn = (scores - torch.log(-torch.log(noise))).argmax(-1)  # log p - log E, E = -log U ~ Exp(1)

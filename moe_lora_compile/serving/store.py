@@ -217,11 +217,15 @@ class AdapterStore:
                     current = self.mm.parse_adapter(self._entries[n].weights)
                     if current is not self._entries[n].weights:
                         recast[n] = self._host_copy(current)
-            for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a request
-                self._entries[n].weights = weights  # waiting for a slot does not re-read its folder at every retry
-            self._counters.disk_loads += len(parsed)
-            self._counters.parse_seconds += parse_seconds
             with self.mm.lock:  # no pin, load or unload in mm between the plan and the writes
+                direct = [n for n in missing if n in self.mm.adapters]
+                if direct:  # loaded into mm by another thread while the folders were parsed
+                    raise ValueError(f"adapters: {direct} were loaded into the model directly (mm.load_adapter) "
+                                     f"under names registered in this store; unload them from the model first")
+                for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a request
+                    self._entries[n].weights = weights  # waiting for a slot does not re-read its folder each retry
+                self._counters.disk_loads += len(parsed)
+                self._counters.parse_seconds += parse_seconds
                 free = self._free_slots()
                 evictable = [n for n in self._lru if not self._pinned(n) and n not in wanted]
                 if len(missing) > len(free) + len(evictable):

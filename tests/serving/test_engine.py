@@ -251,6 +251,104 @@ def test_a_request_no_slot_can_ever_serve_fails(setup):
     assert handle.finish_reason == "error" and engine.idle and store.in_use == {}
 
 
+def test_a_request_no_slot_can_ever_serve_fails_beside_base_model_traffic(setup):
+    """As above, with base-model requests live (they hold no slot, so none of them can free one): the request
+    fails at its first try. It waited as long as anything was live, i.e. under steady traffic, forever."""
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    mm.load_adapter("direct", os.path.join(setup.workdir, "alpha"))
+    store = AdapterStore(mm)
+    store.register("paged", os.path.join(setup.workdir, "beta"))
+    engine = _engine(mm, store=store)
+    base = [engine.submit(setup.prompts[i], max_new_tokens=12, eos_token_ids=()) for i in (0, 1)]
+    engine.step()
+    handle = engine.submit(setup.prompts[2], adapter="paged", max_new_tokens=3)
+    engine.step()
+    assert handle.finish_reason == "error" and isinstance(handle.error, NoFreeSlot)
+    assert all(not h.done for h in base)  # failed while the base-model requests were still live
+    engine.run()
+    assert [h.tokens for h in base] == [alone(mm, setup.prompts[i], None, 12, eos=[]) for i in (0, 1)]
+
+
+class _FlakyDraft:
+    """Prompt-lookup drafts, except that call number ``fail_at`` raises (a transient failure inside a step)."""
+
+    def __init__(self, fail_at: int = 2):
+        self.calls, self.fail_at, self.lookup = 0, fail_at, PromptLookupDraft()
+
+    def __call__(self, handles, k):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise ValueError("transient draft failure")
+        return self.lookup(handles, k)
+
+
+def test_a_failed_step_does_not_end_the_engine_thread(setup):
+    """After start(), a step that raises fails its live requests; the engine's thread goes on serving the next
+    ones (it returned, and a request streamed through on_token, with no one stepping, never got a token)."""
+    import queue
+
+    engine = _engine(setup.model, num_speculative_tokens=2, draft=_FlakyDraft()).start()
+    try:
+        first = engine.submit(setup.prompts[0], adapter="alpha", max_new_tokens=8)
+        with pytest.raises(RuntimeError, match="transient draft failure"):
+            first.result()
+        tokens = queue.Queue()
+        second = engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=WORK[1][2],
+                               on_token=lambda handle, token: tokens.put(token))
+        got = []
+        while len(got) < len(setup.want[1]):
+            got.append(tokens.get(timeout=60))  # the engine's thread alone steps: queue.Empty if it ended
+        assert got == setup.want[1] and second.tokens == setup.want[1]
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("threaded", [False, True], ids=["caller_steps", "engine_thread"])
+def test_generate_many_raises_requests_failed_whoever_steps(setup, threaded):
+    """A step that raises inside generate_many: RequestsFailed with every handle, whether the caller's thread runs
+    the steps or the engine's (the caller's thread let the step's own error escape, and the handles were lost)."""
+    engine = _engine(setup.model, num_speculative_tokens=2, draft=_FlakyDraft())
+    if threaded:
+        engine.start()
+    try:
+        requests = [Request(setup.prompts[i], adapter="alpha", max_new_tokens=6) for i in range(3)]
+        with pytest.raises(RequestsFailed, match="transient draft failure") as info:
+            engine.generate_many(requests)
+        assert len(info.value.handles) == 3 and info.value.failed
+        assert all(h.finish_reason == "error" for h in info.value.failed)
+        assert all(h.done for h in info.value.handles)
+    finally:
+        engine.stop()
+    assert engine.idle and setup.model._pins == {}
+
+
+def test_a_script_that_exits_without_stop_exits_cleanly(setup, tmp_path):
+    """A started engine still stepping when the script ends: the interpreter stops it at exit (after its step).
+    Its daemon thread was killed inside a step and the process aborted (SIGABRT, exit code 134)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        from moe_lora_compile.__main__ import build
+        from moe_lora_compile.serving import ServingEngine
+        s = build("qwen3_moe", dtype=torch.float32, device=torch.device("cpu"), batch=1, seq_len=4,
+                  workdir={str(tmp_path)!r})
+        engine = ServingEngine(s.model, max_rows=2, max_cache_len=64, compile_prefill=False, log=None).start()
+        handles = [engine.submit([5, 6, 7], adapter=name, max_new_tokens=60, eos_token_ids=())
+                   for name in ("alpha", "beta")]
+        next(iter(handles[0]))
+        print("exiting while the engine steps", flush=True)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for _ in range(3):  # the abort was a race with the step in flight: most runs of 3 hit it
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "exiting while the engine steps" in done.stdout
+
+
 def test_a_raising_callback_fails_only_its_request(setup):
     """``on_token`` raising ends its own request with finish_reason "error" (row and adapter freed, result()
     re-raises the callback's error); the request beside it finishes with its usual tokens. Before, the error
@@ -813,8 +911,9 @@ def test_speculative_sampling_and_stops_equal_one_token_steps(setup):
 def test_malformed_drafts_fail_clearly(setup):
     engine = _engine(setup.model, num_speculative_tokens=2, draft=lambda handles, k: [[1, 2, 3]] * len(handles))
     handle = engine.submit(setup.prompts[0], adapter="alpha", max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"draft must return \[1, 2\] integer token ids"):
+    with pytest.raises(RuntimeError, match=r"draft must return \[1, 2\] integer token ids") as info:
         handle.result()  # the step that asked for drafts raises (and fails the live requests)
+    assert isinstance(info.value.__cause__, ValueError)
     assert handle.finish_reason == "error" and engine.idle and setup.model._pins == {}
     with pytest.raises(ValueError, match="draft must be callable"):
         _engine(setup.model, num_speculative_tokens=2, draft=[1, 2])

@@ -98,3 +98,22 @@ def test_top_p_one_drops_nothing_beside_a_filtering_row():
                              torch.zeros(2, dtype=torch.long), filtered=True)
     assert bool(torch.isfinite(scores[0]).all())
     assert bool(torch.isinf(scores[1]).any())  # the filtering row still filters
+
+
+@pytest.mark.parametrize("temperature", [1e30, 1e39, 1e300])  # near, past and far past float32's largest number
+def test_top_k_and_top_p_hold_at_huge_temperatures(temperature):
+    """A huge temperature flattens softmax(l / T) to uniform, but top-k still keeps the k largest logits and top-p
+    the fewest most likely tokens (ranked by the logits): the scores rounded to ties (all 0, or NaN where a logit
+    is -inf over an inf temperature) and the filters then kept arbitrary tokens."""
+    n = 400
+    logits = LOGITS.expand(n, -1).clone()
+    logits[:, 5] = float("-inf")  # a token masked out before sampling
+    top3 = set(LOGITS.topk(3).indices.tolist())
+    seeds = torch.arange(n)
+    t = torch.full((n,), temperature, dtype=torch.float64)
+    drawn = sample(logits, t, torch.ones(n, dtype=torch.float64), torch.full((n,), 3), seeds, torch.zeros(n))
+    assert set(drawn.tolist()) == top3  # only the top 3, each of them drawn (uniform: ~133 draws each)
+    # top-p 0.3 of a uniform distribution over the 7 finite tokens keeps the 3 most likely (3 / 7 >= 0.3 > 2 / 7)
+    drawn = sample(logits, t, torch.full((n,), 0.3, dtype=torch.float64), torch.zeros(n, dtype=torch.long), seeds,
+                   torch.zeros(n))
+    assert set(drawn.tolist()) == top3

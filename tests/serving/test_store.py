@@ -373,6 +373,34 @@ def test_direct_loads_under_store_names_are_never_taken_for_the_stores_own(setup
     torch.testing.assert_close(_logits(mm, store, setup, ["a"]), setup["truth"]["a"][:1], rtol=1e-5, atol=1e-5)
 
 
+def test_a_direct_load_while_acquire_parses_changes_nothing(setup):
+    """Another thread loads a store name into mm directly while acquire parses a folder: acquire raises before it
+    writes anything. It checked for direct loads only before parsing, so its writes raised half-way: the first
+    adapter written and resident, loads counted, hits / misses not."""
+    mm, store = _store(setup, max_loras=3)
+    parse = mm.parse_adapter
+
+    def parse_then_race(source):
+        out = parse(source)
+        if source == setup["paths"]["a"]:  # "b" loaded directly from another thread, between parse and plan
+            thread = threading.Thread(target=mm.load_adapter, args=("b", setup["paths"]["c"]))
+            thread.start()
+            thread.join()
+        return out
+
+    mm.parse_adapter = parse_then_race
+    before = _snapshot(mm, store)
+    with pytest.raises(ValueError, match=r"\['b'\] were loaded into the model directly"):
+        store.acquire(["a", "b"])
+    mm.parse_adapter = parse
+    after = _snapshot(mm, store)
+    assert after["resident"] == before["resident"] == [] and after["counters"] == before["counters"]
+    assert store.in_use == {} and set(mm.adapters) == {"b"}
+    mm.unload_adapter("b")
+    torch.testing.assert_close(_logits(mm, store, setup, ["a", "b"]),
+                               torch.cat([setup["truth"]["a"][:1], setup["truth"]["b"][:1]]), rtol=1e-5, atol=1e-5)
+
+
 def test_held_adapters_are_pinned_in_the_model(setup):
     """acquire pins (mm refuses to unload or replace the adapter), release unpins; a waiting request's folder is read
     once however often it finds no slot."""
