@@ -229,8 +229,13 @@ def read_adapter_config(path: str) -> AdapterConfig:
         raise ValueError(f"path: adapter folder {path!r}, {e}") from None
 
 
-# PEFT initializations that subtract the initial factors from the base weights (PiSSA is "pissa" or "pissa_niter_N").
-_BASE_CHANGING_INITS = ("olora", "corda", "loftq", "lora_ga")
+def _init_changes_base(init) -> bool:
+    """Whether PEFT's ``init_lora_weights`` subtracts the initial factors from the base weights. Matched as PEFT's
+    LoraLayer.update_layer dispatches it: PiSSA and CorDA by prefix ("pissa_niter_4", "corda_..."), OLoRA in any
+    case ("OLoRA"), LoftQ and LoRA-GA exactly."""
+    if not isinstance(init, str):
+        return False
+    return init.startswith(("pissa", "corda")) or init.lower() == "olora" or init in ("loftq", "lora_ga")
 
 
 def _read_adapter_config(path: str) -> AdapterConfig:
@@ -268,7 +273,7 @@ def _read_adapter_config(path: str) -> AdapterConfig:
     if bad:
         raise _config_error(f"uses unsupported PEFT feature(s) {bad}; only plain LoRA is served")
     init = raw.get("init_lora_weights", True)
-    if isinstance(init, str) and (init.startswith("pissa") or init in _BASE_CHANGING_INITS) or raw.get("loftq_config"):
+    if _init_changes_base(init) or raw.get("loftq_config"):
         raise _config_error(
             f"was initialized with init_lora_weights={init!r}{' and a loftq_config' if raw.get('loftq_config') else ''}"
             ", which changes the base model's weights: its factors are only valid on that modified base. Convert it "
@@ -355,6 +360,10 @@ def _unsupported_why(key: str) -> str:
     if module.endswith(".base_layer"):
         return (f"a full copy of base weight {module.removesuffix('.base_layer')!r}, saved by PEFT for embedding "
                 f"layers: not a LoRA factor; only lora_A/lora_B weights are served")
+    if leaf == "weight" and module.rpartition(".")[2] in ("embed_tokens", "lm_head", "embed_out", "wte"):
+        return (f"a full {module.rpartition('.')[2]} weight, saved by PEFT with save_embedding_layers=True (it "
+                f"would replace the base model's): not a LoRA factor; save the adapter with "
+                f"save_embedding_layers=False, only lora_A/lora_B weights are served")
     return "only lora_A/lora_B weights are served"
 
 
@@ -491,8 +500,9 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
             per_expert.setdefault(match["experts"], {}).setdefault(match["leaf"], {})[index] = (module, a, b)
             continue
         router = (" (an MoE router or shared-expert gate: LoRA on routers is not supported; PEFT's "
-                  "target_modules='all-linear' adapts them too: name the target modules, or exclude the routers "
-                  "with exclude_modules)"
+                  "target_modules='all-linear' adapts them too, and with transformers 5 it puts the routers' "
+                  "'gate.weight' into target_parameters, where exclude_modules does not remove it: list the "
+                  "target modules (q_proj, k_proj, ...) and the experts' target_parameters by name instead)"
                   if name.rpartition(".")[2] in _ROUTER_LEAVES else "")
         raise _weights_error(f"adapter targets {module!r}, which is not a LoRA target of this model{router} "
                              f"(experts modules and dense targets: {_summary(experts_targets, linear_targets)})")
@@ -566,8 +576,11 @@ def _linear_lora(module: str, a: Tensor, b: Tensor, target: LinearTarget, config
             f"{module!r} has lora_A {list(a.shape)} / lora_B {list(b.shape)}, expected [r, "
             f"{target.in_features}] / [{target.out_features}, r] (adapter made for another base model?)"
         )
-    _check_rank(module, module, a.shape[0], config)
-    return LinearLoRA(a=a, b=b * config.scaling_of(module))
+    # a linear adapted through target_parameters ("self_attn.q_proj.weight"): PEFT matches rank_pattern /
+    # alpha_pattern against the parameter's name, "<module>.weight"; through target_modules, against the module's
+    key = f"{module}.weight" if any(_suffix_match(f"{module}.weight", t) for t in config.target_parameters) else module
+    _check_rank(module, key, a.shape[0], config)
+    return LinearLoRA(a=a, b=b * config.scaling_of(key))
 
 
 def _without_base_layers(module: str) -> str:

@@ -389,3 +389,41 @@ def test_folder_without_lora_weights_is_refused(tmp_path, kind, error, message):
     with pytest.raises(error, match=message):
         mm.load_adapter("x", folder)
     assert mm.adapters == {}
+
+
+# a dense projection adapted through target_parameters (PEFT saves plain lora_A / lora_B keys for it) with patterns:
+# PEFT matches rank_pattern / alpha_pattern against the parameter's name "<module>.weight", not the module's
+DENSE_TARGET_PARAMETER_PATTERNS = [
+    # applied: alpha 32 on q_proj.weight (the loader took q_proj's default alpha: a delta 4x too small)
+    pytest.param(dict(alpha_pattern={"q_proj.weight": 32}), id="alpha-on-weight-name"),
+    # not applied by PEFT: "q_proj" does not end "…q_proj.weight" (the loader applied it: a delta 4x too large)
+    pytest.param(dict(alpha_pattern={"q_proj": 32}), id="alpha-on-module-name"),
+    # rank 2 for q_proj.weight (the loader refused it: "has rank 2 but adapter_config.json gives rank 4")
+    pytest.param(dict(rank_pattern={"q_proj.weight": 2}), id="rank-on-weight-name"),
+    # v_proj through target_modules takes the module pattern, q_proj.weight through target_parameters does not
+    pytest.param(dict(target_modules=["v_proj"], alpha_pattern={r".*_proj": 32}), id="module-and-parameter"),
+]
+
+
+@pytest.mark.parametrize("overrides", DENSE_TARGET_PARAMETER_PATTERNS)
+def test_dense_target_parameters_take_patterns_by_parameter_name(tmp_path, overrides):
+    """Logits with the adapter equal PEFT's own forward (float32), the adapter's delta visible."""
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    config = LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": [],
+                           "target_parameters": ["self_attn.q_proj.weight"], **overrides})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft_model = get_peft_model(copy.deepcopy(base), config).eval()
+    randomize_lora_(peft_model, std=0.2, seed=0)
+    peft_model.save_pretrained(tmp_path / "ad")
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=8)
+    mm.load_adapter("a", str(tmp_path / "ad"))
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, plain = peft_model(ids).logits, base(ids).logits
+        got = mm(ids, adapters=["a", "a"]).logits
+    assert (want - plain).abs().max() > 0.05  # the adapter changes the logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

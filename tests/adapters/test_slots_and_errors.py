@@ -137,6 +137,11 @@ BAD_FOLDERS = [
      ValueError, "changes the base model's weights"),
     ("olora", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"init_lora_weights": "olora"}),
      ValueError, "path_initial_model_for_weight_conversion"),
+    # PEFT reads OLoRA in any case (init.lower() == "olora") and CorDA by prefix: "OLoRA" loaded, wrong by 0.25
+    ("olora_mixed_case", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"init_lora_weights": "OLoRA"}),
+     ValueError, "changes the base model's weights"),
+    ("corda_prefixed", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"init_lora_weights": "corda_x"}),
+     ValueError, "changes the base model's weights"),
     ("loftq", lambda a, d: _copy_with(a["paths"]["x"], d, config_updates={"loftq_config": {"loftq_bits": 4}}),
      ValueError, "loftq_config"),
     ("nan_weight", lambda a, d: _copy_with(a["paths"]["x"], d, _poison("experts.lora_B", float("nan"))),
@@ -151,6 +156,10 @@ BAD_FOLDERS = [
      r"the shapes of down_proj of this base .* target_parameters adapt only \['gate_up_proj'\]"),
     ("lm_head_lora", lambda a, d: a["paths"]["lm_head"], ValueError,                  # PEFT saves lm_head's weight
      r"LoRA on lm_head \(embeddings, output layer\) is not supported"),
+    # save_embedding_layers=True saves the full lm_head weight beside the factors (was "unsupported adapter weight")
+    ("saved_embedding_layer", lambda a, d: _copy_with(
+        a["paths"]["x"], d, lambda t: {**t, "base_model.model.lm_head.weight": torch.zeros(128, 64)}),
+     ValueError, r"full lm_head weight, saved by PEFT with save_embedding_layers=True"),
 ]
 
 
