@@ -4,9 +4,9 @@
         [--sliding-window N]
 
 Builds the demo's tiny random MoE model with three PEFT adapters (``python -m moe_lora_compile demo``), attaches it
-again (``attach``'s default ``use_ops=True``: the ops, so the Triton kernels on a GPU), captures decode graphs for batch buckets 1, 2, 4 and 8, and
-checks greedy generation against ``mm.generate``. Without CUDA it says so and runs the same static-buffer steps
-eagerly (``capture=False``).
+again (``attach``'s default ``use_ops=True``: the ops, so the Triton kernels on a GPU), captures decode graphs for
+batch buckets 1, 2, 4 and 8, and checks greedy generation against ``mm.generate``. Without CUDA it says so and runs
+the same static-buffer steps eagerly (``capture=False``).
 
 GPT-OSS has sliding-window attention; the tiny config's window defaults to prompt + 3 x new tokens here, so the
 speculative run stays inside it. ``--sliding-window 16`` shows the documented limit instead: once a context is
@@ -67,14 +67,15 @@ def main(argv=None) -> int:
                         help=f"model family (default qwen3_moe): {describe_choices()}")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--max-new-tokens", type=positive_int, default=16)
-    parser.add_argument("--sliding-window", type=int, default=None,
+    parser.add_argument("--sliding-window", type=positive_int, default=None,
                         help="GPT-OSS's window in the tiny config (default: prompt + 3 x new tokens, enough for "
                              "speculative decoding with 2 drafts; 16 shows the documented limit)")
     args = parser.parse_args(argv)
     prompt_len, n_drafts = 8, 2
     overrides = {}
     if args.family == "gpt_oss":
-        overrides["sliding_window"] = args.sliding_window or prompt_len + (1 + n_drafts) * args.max_new_tokens
+        default_window = prompt_len + (1 + n_drafts) * args.max_new_tokens
+        overrides["sliding_window"] = default_window if args.sliding_window is None else args.sliding_window
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -246,8 +246,9 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("--family", default="qwen3_moe", type=family_arg, metavar="F",
                        help=f"model family (default qwen3_moe): {describe_choices()}")
+        dtype_note = "the check's tolerance follows it" if name == "demo" else "the dumped graphs compute in it"
         p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                       help="model and adapter dtype (default float32; the check's tolerance follows it)")
+                       help=f"model and adapter dtype (default float32; {dtype_note})")
         p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
         p.add_argument("--verbose", action="store_true",
                        help="progress lines on stderr even when it is not a terminal (MOE_LORA_PROGRESS=1)")
@@ -355,10 +356,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.verbose:
         os.environ["MOE_LORA_PROGRESS"] = "1"
     problem = _device_error(args.device) or _switch_error()
-    if args.command == "dump" and not problem:
-        problem = _folder_error(args.folder)
-        if not problem and importlib.util.find_spec("depyf") is None:
+    if args.command == "dump" and not problem:  # depyf first: _folder_error creates the folder
+        if importlib.util.find_spec("depyf") is None:
             problem = "depyf is not installed (pip install depyf; it is a dependency of this package)"
+        else:
+            problem = _folder_error(args.folder)
     if problem:
         print(f"moe-lora-compile {args.command}: error: {problem}", file=sys.stderr)
         return 2

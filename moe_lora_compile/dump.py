@@ -3,6 +3,7 @@ where the ``torch.ops.moe_lora`` ops landed in the dumped post-grad graphs (``*A
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -66,12 +67,15 @@ def _snapshot(folder: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def find_fused_ops(folder: str, *, since: Optional[dict] = None) -> DumpReport:
+def find_fused_ops(folder: str, *, since: Optional[dict] = None, written: Optional[set] = None) -> DumpReport:
     """Scan a depyf dump folder for ``torch.ops.moe_lora.*`` calls in the post-grad graphs.
 
-    ``since``: a snapshot taken before the dump (``_snapshot``); files it lists unchanged are stale, not counted."""
-    since = since or {}
-    files = sorted(path for path, stamp in _snapshot(folder).items() if since.get(path) != stamp)
+    ``since``: a snapshot taken before the dump (``_snapshot``); files it lists unchanged are stale, not counted,
+    unless ``written`` (real paths depyf wrote or found already there with the same text, ``_recording_writes``)
+    names them."""
+    since, written = since or {}, written or set()
+    files = sorted(path for path, stamp in _snapshot(folder).items()
+                   if since.get(path) != stamp or os.path.realpath(path) in written)
     post_grad = [f for f in files if "AFTER_POST_GRAD" in os.path.basename(f)]
     sites = []
     for path in post_grad:
@@ -108,6 +112,32 @@ def dump_graphs(compiled: Any, example_inputs: Sequence, folder: str, *,
 
 def _dump_once(depyf, pass_runs, compiled, example_inputs, example_kwargs, folder) -> DumpReport:
     before = _snapshot(folder)
-    with pass_runs(), depyf.prepare_debug(folder):
+    with pass_runs(), _recording_writes() as written, depyf.prepare_debug(folder):
         compiled(*example_inputs, **(example_kwargs or {}))
-    return find_fused_ops(folder, since=before)
+    return find_fused_ops(folder, since=before, written=written)
+
+
+@contextlib.contextmanager
+def _recording_writes():
+    """Collect the real paths depyf's ``write_code_to_file_template`` returns. It leaves a file that already holds
+    the same text untouched (same mtime and size: a re-run into the same folder), so the snapshot alone would call
+    that file stale. depyf imports the function where it calls it, so patching the module attribute reaches it."""
+    try:
+        from depyf.explain import utils
+    except ImportError:
+        utils = None
+    write, written = getattr(utils, "write_code_to_file_template", None), set()
+    if write is None:  # another depyf: the snapshot alone decides (a re-run into the same folder reads as stale)
+        yield written
+        return
+
+    def recording(src, path_template):
+        path = write(src, path_template)
+        written.add(os.path.realpath(path))
+        return path
+
+    utils.write_code_to_file_template = recording
+    try:
+        yield written
+    finally:
+        utils.write_code_to_file_template = write

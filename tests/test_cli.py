@@ -68,6 +68,23 @@ def test_bad_values_are_one_line_before_any_work(tmp_path):
                                                                              # IsADirectoryError after tuning)
 
 
+def test_dump_without_depyf_creates_no_folder(tmp_path):
+    """depyf missing: the one-line error came after the folder check, which had already created the folder."""
+    folder = tmp_path / "no" / "dump"
+    code = ("import sys; sys.modules['depyf'] = None; from moe_lora_compile.__main__ import main; "
+            f"sys.exit(main(['dump', {str(folder)!r}]))")
+    _one_error_line(_run("-c", code), "depyf is not installed")
+    assert not (tmp_path / "no").exists()
+
+
+def test_dump_help_has_its_own_dtype_wording():
+    """``dump --help`` said the dtype sets "the check's tolerance" (the demo's wording; dump runs no check)."""
+    dump_help = " ".join(_run("-m", "moe_lora_compile", "dump", "--help").stdout.split())
+    demo_help = " ".join(_run("-m", "moe_lora_compile", "demo", "--help").stdout.split())
+    assert "tolerance" not in dump_help and "the dumped graphs compute in it" in dump_help
+    assert "the check's tolerance follows it" in demo_help
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
 def test_no_cuda_is_one_line_and_exit_2():
     _one_error_line(_run("-m", "moe_lora_compile", "demo", "--device", "cuda"), "CUDA is not available")

@@ -70,3 +70,33 @@ def test_examples_take_both_family_spellings(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parser_main(["--family", "nope"])
     assert exit_info.value.code == 2 and "llama4 (or llama4_text)" in capsys.readouterr().err
+
+
+# a value the run cannot use is argparse's usage error (exit 2) before any model is built
+@pytest.mark.parametrize("window", ["0", "-5"])
+def test_cuda_graph_decode_refuses_a_window_below_one(window, monkeypatch, capsys):
+    """``--sliding-window 0`` was silently replaced by the default window, a negative one failed in a traceback
+    after the build."""
+    example = _example("cuda_graph_decode")
+    monkeypatch.setattr(example, "build", lambda *a, **k: pytest.fail(f"--sliding-window {window} was accepted"))
+    with pytest.raises(SystemExit) as exit_info:
+        example.main(["--family", "gpt_oss", "--sliding-window", window])
+    assert exit_info.value.code == 2 and "--sliding-window: must be >= 1" in capsys.readouterr().err
+
+
+def test_cuda_graph_decode_passes_the_window_on(monkeypatch):
+    """A window given is the tiny config's; without one, prompt + 3 x new tokens."""
+    example, seen = _example("cuda_graph_decode"), []
+
+    class Built(Exception):
+        pass
+
+    def build(*args, config_overrides, **kwargs):
+        seen.append(config_overrides["sliding_window"])
+        raise Built
+
+    monkeypatch.setattr(example, "build", build)
+    for argv in (["--sliding-window", "16"], ["--max-new-tokens", "4"]):
+        with pytest.raises(Built):
+            example.main(["--family", "gpt_oss", *argv])
+    assert seen == [16, 8 + 3 * 4]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +16,8 @@ from moe_lora_compile.dump import dump_graphs
 from moe_lora_compile.ops.reference import lora_linear_reference
 
 from test_reference_patterns import H, L, R, MoELayer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class OneLayer(nn.Module):
@@ -80,3 +87,29 @@ def test_dump_of_a_callable_without_an_inductor_graph_says_so(tmp_path):
     assert not plain.files and not plain.recompiled
     assert "nothing was traced" in plain.summary() and "compiled again" not in plain.summary()
     torch._dynamo.reset()
+
+
+_DUMP_ONE_LAYER = """
+import sys, torch
+from test_depyf_dump import H, OneLayer
+from moe_lora_compile.compile import compile as compile_model
+from moe_lora_compile.dump import dump_graphs
+torch.manual_seed(0)
+compiled = compile_model(OneLayer(), fullgraph=True)
+report = dump_graphs(compiled, (torch.randn(6, H), torch.tensor([0, -1, 2, 1, -1, 0], dtype=torch.int32)), sys.argv[1])
+print(report.summary())
+sys.exit(0 if report.sites else 1)
+"""
+
+
+def test_a_second_dump_into_the_same_folder_counts_its_graph(tmp_path):
+    """A dump re-run into the same folder (a fresh process): depyf leaves a file whose text is unchanged as it is,
+    and dump_graphs took it for an earlier run's (mtime, size unchanged): "0 post-grad graph(s)", no fused ops."""
+    pytest.importorskip("depyf")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]))
+    runs = [subprocess.run([sys.executable, "-c", _DUMP_ONE_LAYER, str(tmp_path)], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT, env=env) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+        assert "1 post-grad graph(s)" in run.stdout and "fused_moe_lora x1, lora_linear x1" in run.stdout
+    assert runs[0].stdout.splitlines()[1:] == runs[1].stdout.splitlines()[1:]  # the same sites
