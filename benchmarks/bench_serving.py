@@ -96,15 +96,17 @@ def serve(engine: ServingEngine, arrivals: list[float], requests: list[Request])
         engine.step()
     sync(engine.device)
     end = max(h.token_times[-1] for _, h in handles)
+    first = t0 + arrivals[0]  # the run's time starts at its first arrival (the engine idles before: not served time)
     ttft = torch.tensor([h.first_token_at - a for a, h in handles])
     e2e = torch.tensor([h.token_times[-1] - a for a, h in handles])
     gaps = [b - a for _, h in handles for a, b in zip(h.token_times, h.token_times[1:])]
-    itl = torch.tensor(gaps or [float("nan")])
+    itl = torch.tensor(gaps) if gaps else None  # none when every request asked for one token
     tokens = sum(len(h.tokens) for _, h in handles)
     steps = engine.steps - steps0
-    row = dict(requests=len(handles), output_tokens=tokens, seconds=end - t0, otps=tokens / (end - t0),
-               ttft_p50_ms=1e3 * _q(ttft, 0.5), ttft_p99_ms=1e3 * _q(ttft, 0.99), itl_p50_ms=1e3 * _q(itl, 0.5),
-               itl_p99_ms=1e3 * _q(itl, 0.99), e2e_p50_s=_q(e2e, 0.5),
+    row = dict(requests=len(handles), output_tokens=tokens, seconds=end - first, otps=tokens / (end - first),
+               ttft_p50_ms=1e3 * _q(ttft, 0.5), ttft_p99_ms=1e3 * _q(ttft, 0.99),
+               itl_p50_ms=None if itl is None else 1e3 * _q(itl, 0.5),
+               itl_p99_ms=None if itl is None else 1e3 * _q(itl, 0.99), e2e_p50_s=_q(e2e, 0.5),
                mean_batch=(engine.tokens_generated - tokens0 - len(handles)) / max(steps, 1), steps=steps)
     if engine.num_speculative_tokens:  # mean_batch is then decode tokens per step (rows x tokens kept per row)
         row.update(draft_tokens=engine.draft_tokens - drafts0, accepted_draft_tokens=engine.accepted_draft_tokens - kept0)
@@ -117,6 +119,11 @@ def serve(engine: ServingEngine, arrivals: list[float], requests: list[Request])
 
 def _q(values: torch.Tensor, q: float) -> float:
     return float(torch.quantile(values.double(), q))
+
+
+def _ms(value) -> str:
+    """An ITL figure for a table: one decimal, "-" where no request had a second token."""
+    return "-" if value is None else f"{value:.1f}"
 
 
 CALIBRATION_PROMPT, CALIBRATION_STEPS = 8, 16  # the rate calibration's rows: prompt tokens, timed full steps
@@ -257,30 +264,53 @@ def run(args, on_row=None) -> list[dict]:
             result = serve(engine, arrivals, requests)
             rows.append(dict(kind="run", config=config, rate=rate, load=LOADS[r_i] if len(rates) == 3 else str(r_i), **result))
             log(f"{config} @ {rate:.3f} req/s: {result['otps']:.1f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms "
-                f"p99 {result['ttft_p99_ms']:.0f} ms, ITL p50 {result['itl_p50_ms']:.1f} ms p99 "
-                f"{result['itl_p99_ms']:.1f} ms, batch {result['mean_batch']:.1f}, loads {result.get('adapter_loads')}")
+                f"p99 {result['ttft_p99_ms']:.0f} ms, ITL p50 {_ms(result['itl_p50_ms'])} ms p99 "
+                f"{_ms(result['itl_p99_ms'])} ms, batch {result['mean_batch']:.1f}, loads "
+                f"{result.get('adapter_loads')}")
             if on_row is not None:  # results so far written after every run (a run cut short keeps them)
                 on_row(rows)
     return rows
 
 
 LOADS = ("low", "near", "over")
+# what --render needs of a file, and what must agree between the files it merges (rates: per load label)
+SETUP_KEYS = {"kind", "model", "device", "requests", "prompt", "new", "jitter", "rank", "max_rows", "slots", "tiny",
+              "configs"}
+RUN_KEYS = {"config", "load", "rate", "otps", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "e2e_p50_s",
+            "mean_batch"}
+WORKLOAD_KEYS = ("model", "device", "tiny", "requests", "prompt", "new", "jitter", "seed", "rank", "max_rows",
+                 "slots", "resident", "paged", "distinct", "buckets", "prefill_chunk", "eager_prefill", "no_compile",
+                 "num_speculative_tokens")
 
 
 def merge(files: list[str]) -> list[dict]:
     """The rows of several ``--json`` files as one run: the first file's setup row, every file's run rows (a later
     file's row replaces an earlier one of the same config and load)."""
-    setup, runs = None, {}
+    setup, runs, rates = None, {}, {}
     for path in files:
         try:
             with open(path) as f:
                 rows = json.load(f)
         except (ValueError, UnicodeDecodeError) as error:
             raise SystemExit(f"--render: {path} is not a bench_serving --json file ({error})") from None
-        if not isinstance(rows, list) or not rows or not isinstance(rows[0], dict) or rows[0].get("kind") != "setup":
+        if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows) \
+                or rows[0].get("kind") != "setup" or not SETUP_KEYS <= rows[0].keys() \
+                or not all(RUN_KEYS <= r.keys() for r in rows if r.get("kind") == "run"):
             raise SystemExit(f"--render: {path} is not a bench_serving --json file")
+        if setup is not None:  # one workload and engine: otherwise the ratios compare different runs
+            differ = [k for k in WORKLOAD_KEYS if setup.get(k) != rows[0].get(k)]
+            if differ:
+                raise SystemExit(f"--render: {path} ran another workload or engine than {files[0]} "
+                                 f"({', '.join(f'{k}: {setup.get(k)!r} vs {rows[0].get(k)!r}' for k in differ)})")
         setup = setup or rows[0]
-        runs.update({(r["config"], r["load"]): r for r in rows if r.get("kind") == "run"})
+        for r in rows:
+            if r.get("kind") != "run":
+                continue
+            rate = rates.setdefault(r["load"], r["rate"])
+            if not math.isclose(rate, r["rate"], rel_tol=1e-9):
+                raise SystemExit(f"--render: {path} ran load {r['load']!r} at {r['rate']} req/s, another file at "
+                                 f"{rate}")
+            runs[(r["config"], r["load"])] = r
     return [setup, *runs.values()]
 
 
@@ -297,7 +327,7 @@ def to_markdown(rows: list[dict]) -> str:
     for r in runs:
         ratio = r["otps"] / base[r["rate"]]["otps"] if r["rate"] in base else float("nan")
         out.append(f"| {r['load']} | {r['rate']:.3f} | {r['config']} | {r['otps']:.1f} | {ratio:.2f} | "
-                   f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                   f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {_ms(r['itl_p50_ms'])} | {_ms(r['itl_p99_ms'])} | "
                    f"{r['e2e_p50_s']:.2f} | {r['mean_batch']:.1f} | {r.get('adapter_loads', '-')} |")
     out += ["", "Targets (issue 15" + ("; a tiny smoke run is not judged)" if setup["tiny"] else "):")]
 
@@ -366,6 +396,16 @@ def _positive_float(text: str) -> float:
 POSITIVE, NON_NEGATIVE = int_at_least(1), int_at_least(0)
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not -2 ** 63 <= value < 2 ** 63 - len(LOADS):  # torch.Generator.manual_seed's range, with the per-rate offsets
+        raise argparse.ArgumentTypeError(f"must be in [-2**63, 2**63 - {len(LOADS)}), got {text}")
+    return value
+
+
 def parser(prog=None) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, choices=list(DECODE_MODELS), help="default gpt-oss-20b")
@@ -402,7 +442,7 @@ def parser(prog=None) -> argparse.ArgumentParser:
                    help="run grouped8 only at the near-saturation rate (its runs are the longest)")
     p.add_argument("--budget-s", type=_positive_float, default=None,
                    help="skip the runs that would start after this many seconds of runs (results so far kept)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0, help="the workload's seed (run i of a rate uses seed + i)")
     p.add_argument("--json")
     p.add_argument("--md")
     p.add_argument("--png")
@@ -464,6 +504,9 @@ def main(argv=None, prog=None) -> int:
         problem = _calibration_plan(args.max_rows, args.prefill_chunk, max_cache_len(args))[1]
         if problem:
             p.error(problem)
+    if args.rates and len(args.rates) == 3 and not args.rates[0] < args.rates[1] < args.rates[2]:
+        p.error(f"--rates {' '.join(map(str, args.rates))}: three rates are low, near and over saturation, in "
+                f"increasing order")
     if args.loads != list(LOADS) and args.rates and len(args.rates) != 3:
         p.error(f"--loads picks among three rates; --rates gave {len(args.rates)}")
     if args.loads != list(LOADS) and not args.rates and len(args.load_factors) != 3:
