@@ -504,9 +504,10 @@ def main(argv=None, prog=None) -> int:
         problem = _calibration_plan(args.max_rows, args.prefill_chunk, max_cache_len(args))[1]
         if problem:
             p.error(problem)
-    if args.rates and len(args.rates) == 3 and not args.rates[0] < args.rates[1] < args.rates[2]:
-        p.error(f"--rates {' '.join(map(str, args.rates))}: three rates are low, near and over saturation, in "
-                f"increasing order")
+    for flag, values in (("--rates", args.rates), ("--load-factors", None if args.rates else args.load_factors)):
+        if values and len(values) == 3 and not values[0] < values[1] < values[2]:
+            p.error(f"{flag} {' '.join(map(str, values))}: three rates are low, near and over saturation, in "
+                    f"increasing order")
     if args.loads != list(LOADS) and args.rates and len(args.rates) != 3:
         p.error(f"--loads picks among three rates; --rates gave {len(args.rates)}")
     if args.loads != list(LOADS) and not args.rates and len(args.load_factors) != 3:

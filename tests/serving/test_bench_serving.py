@@ -190,6 +190,7 @@ def test_render_refuses_runs_of_other_workloads(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--rates", "300", "200", "100"], "in increasing order"),  # labelled low / near / over by position
+    (["--load-factors", "1.5", "0.9", "0.4"], "in increasing order"),
     (["--seed", str(10 ** 23)], "must be in [-2**63"),          # an overflow traceback after the model was built
 ])
 def test_serve_bench_refuses_rates_out_of_order_and_huge_seeds(argv, needle, capsys):
