@@ -102,6 +102,15 @@ class MultiLoRAModel(nn.Module):
         self._aliases = {old: family.block_attr for old in family.legacy_block_attrs}
         self._hook = model.register_forward_pre_hook(self._fill_token_lora_ids, with_kwargs=True)
 
+    def __getstate__(self):  # copy.deepcopy / pickle: a lock is not copied, each copy gets its own
+        state = self.__dict__.copy()
+        state.pop("lock", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.lock = threading.RLock()
+
     # --- attaching -------------------------------------------------------------------------------------------
     def _attach_experts(self, use_ops: bool, fused_router: bool) -> dict[str, nn.Module]:
         family = self.family
@@ -397,6 +406,14 @@ class MultiLoRAModel(nn.Module):
         repeated over its S tokens."""
         if self._manual_ids:
             return
+        if torch.is_grad_enabled() and self.model.training and any(
+                getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
+            # the ids live in buffers every forward overwrites: a checkpointed layer recomputed in backward() after
+            # another forward (a reference pass, say) would read that forward's adapters, and the gradients be wrong
+            raise RuntimeError("model: gradient checkpointing is on (model.gradient_checkpointing_enable()) in "
+                               "training mode with grad enabled: not supported, the recomputed layers would read a "
+                               "later forward's adapter ids; disable it (model.gradient_checkpointing_disable()), or "
+                               "run under torch.no_grad() / mm.eval()")
         tokens = kwargs.get("inputs_embeds")
         if tokens is None:
             tokens = kwargs.get("input_ids", args[0] if args else None)
@@ -528,12 +545,25 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     groups = _fusion_groups(fuse) + (("qkv",) if fuse_qkv else ())
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
+    peft_layers = [name for name, m in model.named_modules() if type(m).__module__.startswith("peft.")]
+    if peft_layers:  # its LoRA layers would run for every token, adapters=None included, and hide the targets
+        where = "is a PeftModel" if not peft_layers[0] else f"holds PEFT layers ({peft_layers[0]!r}, ...)"
+        raise ValueError(f"model: {where}: a model get_peft_model changed runs its LoRA for every token; attach "
+                         f"takes the base model: pass peft_model.unload() "
+                         f"(or merge_and_unload() to serve one adapter merged into the weights), then load each "
+                         f"adapter folder with mm.load_adapter(name, folder)")
     family = family_for(model)
     find_dense_targets(model, family, target_modules)  # unknown names refused before the model is touched
+    trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
-    return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
-                          use_ops=use_ops, target_modules=target_modules,
-                          fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups), fused_router=fused_router)
+    try:
+        return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
+                              use_ops=use_ops, target_modules=target_modules,
+                              fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups), fused_router=fused_router)
+    except BaseException:  # refused (the checks run before any module is replaced): the model as it was
+        for p in trainable:
+            p.requires_grad_(True)
+        raise
 
 
 def _fusion_groups(fuse) -> tuple[str, ...]:

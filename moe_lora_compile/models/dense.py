@@ -44,6 +44,8 @@ treats base weights as frozen anyway); and a non-finite value written straight i
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional, Sequence
 
 import torch
@@ -183,6 +185,28 @@ def fuse_siblings(members: Sequence[LoRALinear]) -> None:
     leader._fused_peers = tuple(members[1:])
     for peer in members[1:]:
         peer._is_fused_peer = True
+    point_fused_views(leader)
+    for i, m in enumerate(members):
+        m.register_load_state_dict_post_hook(functools.partial(_reload_fused_block, leader, i))
+
+
+@torch.no_grad()
+def _reload_fused_block(leader: LoRALinear, index: int, module: LoRALinear, incompatible_keys) -> None:
+    """``load_state_dict`` post hook of fused member ``index``: with ``assign=True`` its weight / bias are new
+    tensors, no longer views of the leader's fused buffers (which the forward reads): copy them in and point the
+    views back. (A plain load copies into the views and changes nothing here.) It computed with the old weights."""
+    if fused_views_intact(leader):
+        return
+    row = sum(leader._fused_sizes[:index])
+    block = slice(row, row + leader._fused_sizes[index])
+    for new, fused in ((module.weight, leader.weight_fused), (module.bias, leader.bias_fused)):
+        if new is None or new.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr():
+            continue
+        if new.dtype != fused.dtype or new.device != fused.device or new.shape != fused[block].shape:
+            raise RuntimeError(f"load_state_dict: a fused linear's weight or bias became {list(new.shape)} "
+                               f"{new.dtype} on {new.device}; its fused buffer is {list(fused[block].shape)} "
+                               f"{fused.dtype} on {fused.device} (load with assign=False, or attach without fusion)")
+        fused[block].copy_(new)
     point_fused_views(leader)
 
 

@@ -105,8 +105,9 @@ def find_experts(model: nn.Module, family: Family) -> dict[str, nn.Module]:
 def find_dense_targets(model: nn.Module, family: Family, target_modules=None) -> dict[str, nn.Linear]:
     """``{module name: nn.Linear}`` inside the decoder layers whose leaf name is a dense LoRA target.
 
-    ``target_modules`` (leaf names) narrows the family's default list; the LM head and embeddings are never targets.
-    """
+    ``target_modules`` (leaf names) narrows the family's default list; the LM head and embeddings are never targets,
+    nor are linears of zero width (a shared expert a config turns off with ``shared_expert_intermediate_size=0`` /
+    ``n_shared_experts=0``: the model adds nothing from it; wrapped, its first forward failed)."""
     allowed = tuple(family.dense_targets) if target_modules is None else tuple(target_modules)
     unknown = sorted(set(allowed) - set(family.dense_targets))
     if unknown:
@@ -115,4 +116,5 @@ def find_dense_targets(model: nn.Module, family: Family, target_modules=None) ->
     return {
         name: module for name, module in model.named_modules()
         if type(module) is nn.Linear and ".layers." in f".{name}" and name.rpartition(".")[2] in allowed
+        and module.in_features > 0 and module.out_features > 0
     }

@@ -92,6 +92,15 @@ class FusedRouterMixin:
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         return torch.ops.moe_lora.route(hidden, self.weight, getattr(self, "bias", None), *self.moe_lora_route)
 
+    def __reduce_ex__(self, protocol):  # pickle / torch.save: the class made at run time is rebuilt from its base
+        return _swapped_instance, ("fused", type(self).__mro__[2]), self.__getstate__()
+
+
+def _swapped_instance(kind: str, base: type) -> nn.Module:
+    """An empty instance of ``base``'s swapped class (``kind``: "fused" or "llama4_topk"), for unpickling."""
+    cls = _fused_class(base) if kind == "fused" else _topk_class(base)
+    return cls.__new__(cls)
+
 
 _fused_classes: dict[type, type] = {}
 
@@ -138,6 +147,9 @@ class Llama4TopKMixin:
             weights = torch.sigmoid(values.float()).to(hidden_states.dtype)
         return (weights, ids), logits
 
+    def __reduce_ex__(self, protocol):  # as FusedRouterMixin's
+        return _swapped_instance, ("llama4_topk", type(self).__mro__[2]), self.__getstate__()
+
 
 _topk_classes: dict[type, type] = {}
 
@@ -148,13 +160,17 @@ def llama4_topk_router(module: nn.Module, fused: bool) -> nn.Module:
     cls = type(module)
     if isinstance(module, Llama4TopKMixin):
         cls = cls.__mro__[2]  # swapped before (an attach refused after it): the original class
+    module.moe_lora_fused = bool(fused)
+    module.__class__ = _topk_class(cls)
+    return module
+
+
+def _topk_class(cls: type) -> type:
     swapped = _topk_classes.get(cls)
     if swapped is None:
         swapped = type(f"{cls.__name__}TopK", (Llama4TopKMixin, cls), {"__module__": __name__})
         _topk_classes[cls] = swapped
-    module.moe_lora_fused = bool(fused)
-    module.__class__ = swapped
-    return module
+    return swapped
 
 
 def fuse_routers(model: nn.Module, block_names) -> list[str]:

@@ -423,6 +423,75 @@ def test_refused_attach_leaves_the_model_as_it_was(adapters):
     assert getattr(model.config, "_experts_implementation", None) == experts_impl
 
 
+def test_attach_refuses_a_peft_model_and_leaves_it_as_it_was(adapters):
+    """A PeftModel (or its inner model) holds PEFT's LoRA layers: attach refuses it, naming the way to the base
+    model, and its trainable LoRA stays trainable. It attached with no dense target found (PEFT's layers are no
+    nn.Linear), ran the PEFT adapter for adapters=None and froze its parameters."""
+    peft_model = copy.deepcopy(adapters["peft"]["x"])
+    for model, where in ((peft_model, "is a PeftModel"), (peft_model.base_model.model, "holds PEFT layers")):
+        before = {n: p.requires_grad for n, p in model.named_parameters()}
+        assert any(before.values())
+        with pytest.raises(ValueError, match=rf"{where}.*peft_model.unload\(\)"):
+            attach(model)
+        assert {n: p.requires_grad for n, p in model.named_parameters()} == before
+
+
+def test_attach_refused_after_the_checks_of_the_experts_leaves_the_model_trainable():
+    """hidden_act gelu is refused inside the experts' attach: the model's parameters stay as trainable as they
+    were (attach froze them first)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(FAMILY, hidden_act="gelu"))
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        attach(model)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before and all(before.values())
+
+
+def test_gradient_checkpointing_in_training_is_refused(mm, adapters):
+    """With checkpointing on, a layer recomputed in backward() after another forward read that forward's adapter
+    ids: input gradients 100 % off (a reference pass with adapters=None in between, as DPO does), no error. Now
+    such a forward raises; in eval mode or under no_grad (checkpointing then inactive) it runs as before."""
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    mm.model.gradient_checkpointing_enable()
+    mm.train()
+    with pytest.raises(RuntimeError, match="gradient checkpointing is on"):
+        mm(ids, adapters=["x", None])
+    with torch.no_grad():
+        train_no_grad = mm(ids, adapters=["x", None]).logits
+    mm.eval()
+    eval_grad = mm(ids, adapters=["x", None]).logits
+    with torch.no_grad():
+        want = adapters["peft"]["x"](ids).logits[0]
+    torch.testing.assert_close(train_no_grad[0], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eval_grad[0].detach(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused_router", [False, True])
+def test_copies_and_pickles_of_an_attached_model_serve_alike(adapters, fused_router):
+    """copy.deepcopy(mm), pickle and torch.save / torch.load give models that serve the same logits, with their
+    own lock and id buffers (they raised: a threading lock, and the fused routers' classes made at run time)."""
+    import io
+    import pickle
+
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=4, max_rank=8, use_ops=fused_router,
+                fused_router=fused_router)
+    mm.load_adapter("x", adapters["paths"]["x"])
+    assert bool(mm.fused_routers) == fused_router
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = mm(ids, adapters=["x", None]).logits
+    buffer = io.BytesIO()
+    torch.save(mm, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(mm), pickle.loads(pickle.dumps(mm)), torch.load(buffer, weights_only=False)):
+        assert copied.lock is not mm.lock and copied.token_lora_ids.data_ptr() != mm.token_lora_ids.data_ptr()
+        with torch.no_grad():
+            torch.testing.assert_close(copied(ids, adapters=["x", None]).logits, want, rtol=0, atol=0)
+        copied.unload_adapter("x")  # the copy's slots are its own
+    with torch.no_grad():
+        torch.testing.assert_close(mm(ids, adapters=["x", None]).logits, want, rtol=0, atol=0)
+
+
 def test_attach_twice_is_an_error(mm):
     with pytest.raises(ValueError, match="already attached"):
         attach(mm.model)

@@ -162,6 +162,27 @@ def test_move_keeps_fusion(pair):
     assert mm.token_lora_ids.numel() >= 18 and all(m.token_lora_ids is mm.token_lora_ids for m in mm._fused_leaders)
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_loading_a_state_dict_reaches_the_fused_buffers(pair, assign):
+    """mm.model.load_state_dict of other base weights: the fused model computes with them, as the unfused one does.
+    With assign=True the members' weights became new tensors and the fused buffers kept the old ones (logits off
+    by 0.6), silently."""
+    torch.manual_seed(5)
+    other = AutoModelForCausalLM.from_config(tiny_config(pair["family"], **CASES[pair["family"]][0])).eval()
+    models = []
+    for fuse in (False, True):
+        mm = attach(copy.deepcopy(pair["base"]), max_loras=3, max_rank=MAX_RANK, fuse=fuse)
+        mm.load_adapter("a", pair["root"] / "a")
+        mm.model.load_state_dict(copy.deepcopy(other.state_dict()), assign=assign)
+        models.append(mm)
+    plain, fused = models
+    assert all(fused_views_intact(leader) for leader in fused._fused_leaders)
+    _assert_equal(fused, plain, pair["ids"], ["a", None, "a"])
+    fused.load_adapter("b", pair["root"] / "b")  # the fused model still takes adapters
+    plain.load_adapter("b", pair["root"] / "b")
+    _assert_equal(fused, plain, pair["ids"])
+
+
 def test_compile_fullgraph_ops_path(pair):
     """use_ops=True: one graph (aot_eager), no break, no recompile for a second adapter mix, equal logits; one
     ``moe_lora.lora_linear`` per fused group."""
@@ -267,3 +288,23 @@ def test_gpu_fused_siblings_kernels_and_captured_graphs(tmp_path, family, dtype,
     assert _stashes(fused) == []
     if dtype == torch.float32:
         assert torch.equal(ours, fused.generate(ids, adapters=BATCH, max_new_tokens=6, do_sample=False))
+
+
+@pytest.mark.parametrize("use_ops", [False, True])
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0)),  # the shared expert turned off: zero-width linears
+    ("deepseek_v3", dict(n_shared_experts=0)),
+])
+def test_zero_width_shared_experts_are_no_targets(family, overrides, use_ops):
+    """A config that turns the shared expert off leaves transformers zero-width linears, which add nothing: they
+    are no LoRA targets, and the model serves as the base does. They were wrapped, and the first forward failed
+    (an error naming neither the module nor the config field)."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
+    zero = [n for n, m in base.named_modules() if isinstance(m, torch.nn.Linear) and 0 in m.weight.shape]
+    assert zero and not set(zero) & set(find_dense_targets(base, family_for(base)))
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = base(ids).logits
+        mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4, use_ops=use_ops)
+        torch.testing.assert_close(mm(ids, adapters=[None, None]).logits, want, rtol=1e-5, atol=1e-5)
