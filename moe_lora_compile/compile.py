@@ -91,6 +91,20 @@ GENERATE_RECOMPILE_LIMIT = 16
 _INPUT_NAMES = ("input_ids", "attention_mask", "position_ids", "inputs_embeds", "cache_position")
 
 
+def canonical_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if it is a tensor of its own with the strides a new tensor of its shape has, else a copy that is.
+    Dynamo guards strides, including a size-1 dim's, which ``is_contiguous()`` / ``contiguous()`` ignore (``w[:, :5]``
+    of a ``[1, 8]`` tensor is "contiguous" with row stride 8), and a view's base (``p[0][None]`` of a ``[1, 6]``
+    prompt): either compiled a second graph of a shape already served."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(size, 1)
+    if t._base is None and t.stride() == tuple(reversed(expected)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _with_stable_layouts(fn: Callable) -> Callable:
     """``fn`` (the compiled forward of a MultiLoRAModel's inner model) with its inputs' and the KV cache's tensors
     made contiguous before each call, and Dynamo's recompile limit at least :data:`GENERATE_RECOMPILE_LIMIT` during
@@ -109,18 +123,18 @@ def _with_stable_layouts(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def stable_layouts(*args, **kwargs):
-        args = tuple(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args)
+        args = tuple(canonical_layout(a) if isinstance(a, torch.Tensor) else a for a in args)
         for name in _INPUT_NAMES:
             if isinstance(kwargs.get(name), torch.Tensor):
-                kwargs[name] = kwargs[name].contiguous()
+                kwargs[name] = canonical_layout(kwargs[name])
         for key in ("past_key_values", "cache"):
             for layer in getattr(kwargs.get(key), "layers", None) or ():
                 if not isinstance(layer, DynamicLayer):
                     continue
                 for attr in ("keys", "values"):
                     tensor = getattr(layer, attr, None)
-                    if isinstance(tensor, torch.Tensor) and not tensor.is_contiguous():
-                        setattr(layer, attr, tensor.contiguous())
+                    if isinstance(tensor, torch.Tensor):
+                        setattr(layer, attr, canonical_layout(tensor))
         limit = max(torch._dynamo.config.recompile_limit, GENERATE_RECOMPILE_LIMIT)
         with torch._dynamo.config.patch(recompile_limit=limit):
             return fn(*args, **kwargs)

@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..ops.contract import NO_ADAPTER
-from ..compile import without_duck_sizing
+from ..compile import canonical_layout, without_duck_sizing
 from ..models.inputs import check_prompt_values, check_token_ids
 from .common import (compile_limits, compile_options, greedy_processors, own_code, padding_token, say,
                      validated_draft)
@@ -217,6 +217,8 @@ class DecodeGraphs:
         self.warmup = warmup
         options = compile_options(compile)
         self.compiled = options is not None
+        if self.compiled:  # its steps guard on the id buffers' size: a buffer grow (mm._grow) warns
+            mm._compiled_steps = True
         self._decode_code = self._prefill_code = None  # the compiled functions' own code (compiled_graphs)
         if self.compiled:
             decode, prefill = own_code(_decode_forward), own_code(_prefill_forward)
@@ -445,10 +447,12 @@ class DecodeGraphs:
                 c1 = min(S, c0 + chunk)
                 self._start.fill_(c0)
                 self.mm.set_token_lora_ids(adapters, c1 - c0, batch_size=batch)
-                kwargs = self._model_kwargs(batch, mask, position_ids[:, c0:c1], c1 - c0)
+                # a chunk of a longer prompt is a slice (strides of the whole): copied to its own layout, or its
+                # stride guards compiled another prefill graph
+                kwargs = self._model_kwargs(batch, mask, canonical_layout(position_ids[:, c0:c1]), c1 - c0)
                 if self._has_logits_to_keep:
                     kwargs["logits_to_keep"] = 1
-                logits = self._prefill_fn(self.mm.model, tokens[:, c0:c1], **kwargs)
+                logits = self._prefill_fn(self.mm.model, canonical_layout(tokens[:, c0:c1]), **kwargs)
             ids = self.mm.set_token_lora_ids(adapters, self.query_len, batch_size=batch).clone()
             held = {name: self.mm.slots.slot_of(name) for name in (adapters or ()) if name is not None}
         state = DecodeState(batch_size=b, bucket=batch, adapters=adapters if adapters is not None else [None] * b,

@@ -53,7 +53,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache
 
 from ..ops.contract import NO_ADAPTER
-from ..compile import without_duck_sizing
+from ..compile import canonical_layout, without_duck_sizing
 from .common import compile_limits, compile_options, in_range, own_code, padding_token, say
 from .decode import ScalarsWithoutHostCopies
 from .kv_cache import SharedKVStorage, StorageLayer
@@ -259,6 +259,8 @@ class RowGraphs:
         self.spec = mask_spec(text_config, num_slots, self.dtype)
         options = compile_options(compile)
         self.compiled = options is not None
+        if self.compiled:  # its steps guard on the id buffers' size: a buffer grow (mm._grow) warns
+            mm._compiled_steps = True
         self.compiled_prefill = self.compiled and bool(compile_prefill)
         if self.compiled:
             self._step_fn = torch.compile(own_code(_row_step_forward), dynamic=False, **options)
@@ -383,8 +385,9 @@ class RowGraphs:
         ids = torch.full((n,), adapter_slot, dtype=torch.int32, device=self.device)
         with self.mm.manual_token_lora_ids(), self._compile_limits():
             self.mm.write_lora_ids(ids, n)
-            logits = self._prefill_fn(self.mm.model, self._to_device(tokens)[None], positions, self._prefill_cache,
-                                      self.spec, self._cache_kw, self._prefill_extra)
+            # canonical_layout: a view of a [1, S] tensor keeps its base's strides (another prefill graph)
+            logits = self._prefill_fn(self.mm.model, canonical_layout(self._to_device(tokens)[None]), positions,
+                                      self._prefill_cache, self.spec, self._cache_kw, self._prefill_extra)
         return logits[0, -1]
 
     def _to_device(self, t: Tensor) -> Tensor:

@@ -436,11 +436,13 @@ class MultiLoRAModel(nn.Module):
             size *= 2
         from ..compile import is_compiled
 
-        if is_compiled(self):  # the compiled code guards on the buffer's size: this batch compiles the model again
+        if is_compiled(self) or getattr(self, "_compiled_steps", False):
+            # the compiled code (mlc.compile, or compiled DecodeGraphs / RowGraphs steps) guards on the buffers' size
             warnings.warn(f"a forward of {num_tokens} tokens exceeds max_tokens: the per-token adapter-id buffers grow "
-                          f"from {old} to {size}, and the compiled model compiles again for the new size (another "
-                          f"graph; captured CUDA graphs keep the old buffers); attach with max_tokens >= the largest "
-                          f"batch x length", RuntimeWarning, stacklevel=2)
+                          f"from {old} to {size}, and every graph compiled for the old size compiles again as its "
+                          f"shapes come (each batch class, prefill and decode steps; captured CUDA graphs keep the "
+                          f"old buffers); attach with max_tokens >= the largest batch x length", RuntimeWarning,
+                          stacklevel=2)
         device = self.token_lora_ids.device
         self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
         self.sequence_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)

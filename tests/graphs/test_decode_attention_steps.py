@@ -191,3 +191,29 @@ def test_gpu_captured_compiled_steps_equal_eager(tmp_path_factory, family, dtype
         out = graphs.generate(prompt, adapters=MIXED, max_new_tokens=8)
         assert torch.equal(out, mm.generate(prompt, adapters=MIXED, max_new_tokens=8, do_sample=False))
     torch._dynamo.reset()
+
+
+def test_row_prefill_of_a_view_compiles_nothing_new():
+    """RowGraphs(compile=...).prefill of a prompt given as a view (``prompts_2d[1]``, ``long[4:10]``) after
+    capture() warmed the prefill: no new graph (the view's base was a guard: another prefill graph)."""
+    from torch._dynamo.testing import CompileCounter
+    from transformers import AutoModelForCausalLM
+
+    from moe_lora_compile.graphs import RowGraphs
+    from moe_lora_compile.models import attach
+    from moe_lora_compile.models.tiny import tiny_config
+
+    torch.manual_seed(0)
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=2, max_rank=4)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    try:
+        graphs = RowGraphs(mm, max_rows=2, max_cache_len=32, compile={"backend": counter}, log=None).capture()
+        graphs.prefill(0, torch.randint(3, 128, (6,)))
+        warmed = counter.frame_count
+        for view in (torch.randint(3, 128, (1, 6))[0], torch.randint(3, 128, (3, 8))[1],
+                     torch.randint(3, 128, (20,))[4:10]):
+            graphs.prefill(0, view)
+        assert counter.frame_count == warmed
+    finally:
+        torch._dynamo.reset()

@@ -12,10 +12,12 @@ import os
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from moe_lora_compile.__main__ import ADAPTERS, build
 from moe_lora_compile.graphs import DecodeGraphs
 from moe_lora_compile.models import attach
+from moe_lora_compile.models.tiny import tiny_config
 
 FAMILY = "qwen3_moe"
 MIXED = ["alpha", "beta", None]  # 3 sequences -> bucket 4 (one padding row)
@@ -648,3 +650,31 @@ def test_example_runs_on_cpu():
     if not torch.cuda.is_available():
         assert "no CUDA device: running the decode steps eagerly (capture=False)" in result.stdout
     assert result.stdout.rstrip().endswith("OK")
+
+
+def test_chunked_prefill_and_a_grown_id_buffer_compile_as_documented():
+    """DecodeGraphs(compile=...) on a CompileCounter: a prompt longer than one prefill chunk (max_tokens // bucket)
+    is prefilled in slices, given a layout of their own, so the prefill keeps its one graph (the slices' strides
+    or base compiled a second); a forward past max_tokens, which grows the id buffers every compiled step guards on,
+    warns as it does after mlc.compile (it was silent)."""
+    import warnings
+
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=2, max_rank=4,
+                max_tokens=32)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    try:
+        graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=48, capture=False, compile={"backend": counter},
+                              log=None).capture()
+        for length in (6, 16, 20, 30):  # 20 and 30: two chunks of at most 16
+            graphs.generate(torch.randint(3, 128, (2, length)), max_new_tokens=2)
+        assert graphs.compiled_graphs() == {"decode": 1, "prefill": 1}
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            mm(torch.randint(3, 128, (4, 9)), use_cache=False)  # 36 tokens > 32
+        assert any("exceeds max_tokens" in str(w.message) for w in caught if w.category is RuntimeWarning)
+    finally:
+        torch._dynamo.reset()

@@ -65,8 +65,8 @@ def test_generate_under_mlc_compile_keeps_one_decode_graph():
             compiled = run()
             graphs = counters["stats"]["unique_graphs"]
             # a batch past max_tokens grows the id buffers: a new graph the user caused, and told of
-            with pytest.warns(RuntimeWarning, match="exceeds max_tokens: .* grow from 64 to 128, and the compiled "
-                                                    "model compiles again"), torch.no_grad():
+            with pytest.warns(RuntimeWarning, match="exceeds max_tokens: .* grow from 64 to 128, and every graph "
+                                                    "compiled for the old size compiles again"), torch.no_grad():
                 mm(torch.randint(3, 128, (9, 8)), use_cache=False)
     finally:
         torch._dynamo.reset()
@@ -77,7 +77,8 @@ def test_generate_under_mlc_compile_keeps_one_decode_graph():
 
 def test_compiled_forward_runs_with_the_raised_recompile_limit():
     """The same wrapper raises Dynamo's recompile limit during the call (GPT-OSS's sliding layers under the dynamic
-    cache need ~5 graphs per batch class; at the default 8 the rest ran eagerly) and leaves it as it was after."""
+    cache need 7 graphs per batch class with Inductor; at the default 8 the rest ran eagerly) and leaves it as it was
+    after."""
     from moe_lora_compile.compile import GENERATE_RECOMPILE_LIMIT, _with_stable_layouts
 
     seen = []
@@ -132,3 +133,30 @@ def test_only_dynamic_cache_layers_are_made_contiguous():
     _with_stable_layouts(lambda **kwargs: None)(cache=cache)
     assert dynamic.keys.is_contiguous() and torch.equal(dynamic.keys, base.transpose(1, 2))
     assert static.keys._base is base and not static.keys.is_contiguous()
+
+
+def test_views_of_a_batch_already_compiled_add_no_graph():
+    """The compiled forward's wrapper (``mlc.compile``'s, here on a CompileCounter) gives its inputs a layout of
+    their own: ``w[:, :5]`` of a ``[1, 8]`` tensor (row stride 8, "contiguous" to torch), a decode-like
+    ``x[:, -1:]`` and a row ``big[1:2]`` are shapes already compiled. Each was another graph (a stride guard, or a
+    guard on the view's base)."""
+    from moe_lora_compile.compile import _with_stable_layouts, without_duck_sizing
+
+    mm = attach(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval(), max_loras=2, max_rank=4)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    try:
+        mm.model.forward = _with_stable_layouts(without_duck_sizing(torch.compile(mm.model.forward, backend=counter,
+                                                                                  dynamic=True)))
+        ids = lambda *shape: torch.randint(3, 128, shape)  # noqa: E731
+        with torch.no_grad():
+            for shape in [(3, 5), (1, 5), (3, 1), (1, 1)]:  # the four classes of the test above
+                mm(ids(*shape), use_cache=False)
+            assert counter.frame_count == 4
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for view in (ids(1, 8)[:, :5], ids(1, 8)[:, -1:], ids(3, 8)[:, -1:], ids(4, 5)[1:2], ids(4, 5)[0:2],
+                             ids(3, 8)[:, :5]):
+                    mm(view, use_cache=False)
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 4
