@@ -45,7 +45,6 @@ treats base weights as frozen anyway); and a non-finite value written straight i
 from __future__ import annotations
 
 import functools
-
 from typing import Optional, Sequence
 
 import torch

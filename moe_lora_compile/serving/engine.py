@@ -71,6 +71,8 @@ _STARTED: "weakref.WeakSet[ServingEngine]" = weakref.WeakSet()
 def _stop_started_engines() -> None:
     for engine in list(_STARTED):
         engine.stop()
+
+
 # Requests wait and none is live (their adapters find no slot: every one is held outside the engine, e.g. by a
 # DecodeGraphs batch through the store): no step of ours can change that, only a release elsewhere. The stepping
 # thread then waits this long between steps (a submit or cancel wakes it at once) instead of spinning a core.
