@@ -203,10 +203,7 @@ class AdapterStore:
             self._check_known(wanted)
             self._sync()
             missing = [n for n in wanted if n not in self._lru]
-            direct = [n for n in missing if n in self.mm.adapters]
-            if direct:  # loaded with mm.load_adapter under a store name: neither may silently replace the other
-                raise ValueError(f"adapters: {direct} are loaded into the model directly (mm.load_adapter) under "
-                                 f"names registered in this store; unload them from the model first")
+            self._refuse_direct_loads(missing)  # before minutes of parsing; checked again under mm.lock below
             # parse first (may fail: nothing changed yet); committed to the entries once all parsed
             parsed, parse_seconds, recast = {}, 0.0, {}
             for n in missing:
@@ -218,10 +215,7 @@ class AdapterStore:
                     if current is not self._entries[n].weights:
                         recast[n] = self._host_copy(current)
             with self.mm.lock:  # no pin, load or unload in mm between the plan and the writes
-                direct = [n for n in missing if n in self.mm.adapters]
-                if direct:  # loaded into mm by another thread while the folders were parsed
-                    raise ValueError(f"adapters: {direct} were loaded into the model directly (mm.load_adapter) "
-                                     f"under names registered in this store; unload them from the model first")
+                self._refuse_direct_loads(missing)  # another thread's mm.load_adapter while the folders parsed
                 for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a request
                     self._entries[n].weights = weights  # waiting for a slot does not re-read its folder each retry
                 self._counters.disk_loads += len(parsed)
@@ -260,6 +254,14 @@ class AdapterStore:
                 c.hits += len(wanted) - len(missing)
                 c.misses += len(missing)
             return [NO_ADAPTER if n is None else self._lru[n] for n in names]
+
+    def _refuse_direct_loads(self, missing: Sequence[str]) -> None:
+        """ValueError if a store name not in a slot of ours is loaded into ``mm`` directly (mm.load_adapter):
+        neither may silently replace the other."""
+        direct = [n for n in missing if n in self.mm.adapters]
+        if direct:
+            raise ValueError(f"adapters: {direct} are loaded into the model directly (mm.load_adapter) under names "
+                             f"registered in this store; unload them from the model first")
 
     def release(self, names: Sequence[Optional[str]]) -> None:
         """End a request's hold on its adapters (the ``names`` given to :meth:`acquire`). On CUDA, later loads into

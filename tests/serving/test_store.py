@@ -390,7 +390,7 @@ def test_a_direct_load_while_acquire_parses_changes_nothing(setup):
 
     mm.parse_adapter = parse_then_race
     before = _snapshot(mm, store)
-    with pytest.raises(ValueError, match=r"\['b'\] were loaded into the model directly"):
+    with pytest.raises(ValueError, match=r"\['b'\] are loaded into the model directly"):
         store.acquire(["a", "b"])
     mm.parse_adapter = parse
     after = _snapshot(mm, store)
