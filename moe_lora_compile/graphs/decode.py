@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import numbers
 import time
 import warnings
 from typing import Callable, Optional, Sequence
@@ -594,8 +595,9 @@ class DecodeGraphs:
         ``[0, vocab)`` (a tensor or nested lists); anything else is a ValueError.
         """
         check_token_ids("input_ids", input_ids)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)  # a numpy int too, as mm.generate and the serving engine take it
         if self.query_len > 1 and draft is None:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: generate needs draft= "
                              f"(a callable giving {self.num_speculative_tokens} tokens per sequence)")
@@ -609,13 +611,20 @@ class DecodeGraphs:
                              f"{max_new_tokens} new ones at {self.query_len} cache slots per step "
                              f"(needs {S + steps_worst * self.query_len})")
         eos, pad = self._special_ids(eos_token_id, pad_token_id)
-        ignored = greedy_processors(self.mm.model.generation_config)
-        if ignored and not self._warned_processors:
+        config = self.mm.model.generation_config
+        ignored = greedy_processors(config)
+        sampled = bool(getattr(config, "do_sample", False))
+        if (ignored or sampled) and not self._warned_processors:
             self._warned_processors = True
-            warnings.warn(f"DecodeGraphs.generate takes the argmax of the logits; the model's generation_config sets "
-                          f"{', '.join(ignored)}, which mm.generate(do_sample=False) applies: their tokens can "
-                          f"differ (set those fields to their defaults for the same tokens)", RuntimeWarning,
-                          stacklevel=3)
+            why = []
+            if sampled:  # e.g. Qwen3's checkpoints: mm.generate then samples unless told do_sample=False
+                why.append("do_sample=True, so mm.generate samples by default (mm.generate(..., do_sample=False) "
+                           "gives this method's tokens)")
+            if ignored:
+                why.append(f"{', '.join(ignored)}, which mm.generate(do_sample=False) applies: their tokens can "
+                           f"differ (set those fields to their defaults for the same tokens)")
+            warnings.warn(f"DecodeGraphs.generate is greedy (the argmax of the logits); the model's "
+                          f"generation_config sets {'; and '.join(why)}", RuntimeWarning, stacklevel=3)
         if attention_mask is None:
             attention_mask = self._inferred_mask(input_ids, pad_token_id, eos)
         state, logits = self.prefill(input_ids, adapters=adapters, attention_mask=attention_mask)

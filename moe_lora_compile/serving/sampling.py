@@ -1,7 +1,8 @@
 """Per-request sampling that a seed makes reproducible whatever else runs in the batch.
 
-``sample`` draws one token per row from ``softmax(logits / temperature)`` restricted to the top-k tokens and to the
-nucleus (the fewest most likely tokens whose probability reaches ``top_p``), by the exponential race (Gumbel-max):
+``sample`` draws one token per row from ``softmax(logits / temperature)`` restricted to the top-k tokens and then to
+the nucleus of those (the fewest most likely of them whose probability, renormalised over the top k, reaches
+``top_p``: transformers' and vLLM's order), by the exponential race (Gumbel-max):
 ``argmax_i log p_i - log E_i`` with ``E_i ~ Exp(1)`` is distributed as ``p``. The noise ``E`` is not drawn from a
 generator but computed from ``(seed, counter, token id)`` by an integer hash, so a row's draw depends only on its own
 logits, its seed and its counter (the request's token index): the same request gives the same tokens alone or beside
@@ -49,7 +50,7 @@ def uniform_noise(seeds: Tensor, counters: Tensor, vocab: int) -> Tensor:
 def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
                     filtered: Optional[bool] = None) -> Tensor:
     """``(logits [n, V] - its row max) / temperature [n]`` in float32 with the tokens outside the top-k (``top_k [n]``, 0 = off)
-    and outside the nucleus (``top_p [n]``, 1 = off) set to ``-inf``; the most likely token is always kept.
+    and outside the nucleus of the top-k distribution (``top_p [n]``, 1 = off) set to ``-inf``; the most likely token is always kept.
     ``filtered``: whether any row filters (None: found out from the tensors, a host sync on a GPU)."""
     logits = logits.float()
     # shifted so that the largest score is 0: a tiny temperature sends the others to -inf, never inf - inf = NaN
@@ -61,13 +62,15 @@ def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
         # rounds the scores to ties (all 0), and top-k / top-p then kept arbitrary tokens
         order = logits.argsort(dim=-1, descending=True)
         ordered = scores.gather(1, order)
-        probs = ordered.softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
         ranks = torch.arange(scores.shape[-1], device=scores.device)
+        drop = (top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None])
+        # the nucleus of the top-k tokens' renormalised distribution (transformers' TopK then TopP warpers, vLLM):
+        # with p = [0.5, 0.3, 0.2], top_k=2, top_p=0.6 only the first token stays (0.5 / 0.8 >= 0.6)
+        probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of the more likely tokens
         # top_p = 1 is off: its rows drop nothing (the float32 cumsum reaches 1.0 before the tail, which a row
         # batched with a filtering row then lost)
-        drop = (top_p < 1)[:, None] & (before >= top_p.float()[:, None])
-        drop |= (top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None])
+        drop |= (top_p < 1)[:, None] & (before >= top_p.float()[:, None])
         drop[:, 0] = False
         scores = scores.scatter(1, order, ordered.masked_fill(drop, float("-inf")))
     return scores

@@ -287,6 +287,25 @@ def test_generate_warns_of_generation_config_it_does_not_apply(setup):
         config.repetition_penalty = 1.0
 
 
+def test_generate_warns_when_the_config_samples_and_takes_numpy_ints(setup):
+    """A generation_config with do_sample=True (Qwen3's checkpoints ship one): mm.generate then samples by default,
+    DecodeGraphs.generate stays greedy; it says so once, and its tokens are mm.generate(do_sample=False)'s. A
+    numpy max_new_tokens is taken, as mm.generate and the serving engine take it (it was a ValueError)."""
+    import numpy as np
+
+    mm, prompt = setup.model, setup.input_ids
+    graphs = DecodeGraphs(mm, batch_sizes=(4,), max_cache_len=32, capture=False, log=None)
+    config = mm.model.generation_config
+    saved = config.do_sample
+    try:
+        config.do_sample = True
+        with pytest.warns(RuntimeWarning, match=r"sets do_sample=True, so mm.generate samples by default"):
+            got = graphs.generate(prompt, adapters=MIXED, max_new_tokens=np.int64(4))
+    finally:
+        config.do_sample = saved
+    assert torch.equal(got, mm.generate(prompt, adapters=MIXED, max_new_tokens=4, do_sample=False))
+
+
 def test_a_config_pad_id_outside_the_vocabulary_falls_back_as_in_row_graphs(setup):
     """A config saying pad_token_id = -1 (some checkpoints do): padding rows take the eos id, as RowGraphs' do
     (one rule, graphs.common.padding_token); DecodeGraphs raised, asking for pad_token_id=."""

@@ -13,16 +13,19 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.9, 1.4])
 
 
 def _expected(logits, temperature, top_p, top_k):
-    """The target distribution, from its definition: softmax(l / T), keep the k most likely, then the fewest most
-    likely tokens whose probability reaches top_p, renormalised (float64)."""
+    """The target distribution, as transformers' warpers define it: softmax(l / T), keep the k most likely,
+    renormalise, then keep the fewest most likely of those whose probability reaches top_p, renormalise (float64)."""
     p = torch.softmax(logits.double() / temperature, -1)
     order = p.argsort(descending=True).tolist()
+    if top_k:
+        order = order[:top_k]
+    p_k = p[order] / p[order].sum()
     keep, mass = [], 0.0
-    for rank, token in enumerate(order):
-        if (top_k and rank >= top_k) or mass >= top_p:
+    for token, q in zip(order, p_k.tolist()):
+        if mass >= top_p:
             break
         keep.append(token)
-        mass += p[token].item()
+        mass += q
     q = torch.zeros_like(p)
     q[keep] = p[keep]
     return q / q.sum()
@@ -33,7 +36,8 @@ def _expected(logits, temperature, top_p, top_k):
     (0.7, 1.0, 0),    # temperature sharpens
     (1.3, 0.8, 0),    # nucleus cuts the tail
     (1.0, 1.0, 3),    # top-k
-    (2.0, 0.9, 5),    # both: the tighter one wins per token
+    (2.0, 0.9, 5),    # both: the nucleus of the top-5 distribution
+    (1.0, 0.6, 2),    # both: the top-2 nucleus keeps 1 token (a nucleus over all 8, cut to 2, kept 2)
 ])
 def test_draws_follow_the_target_distribution(temperature, top_p, top_k):
     n = 20000
