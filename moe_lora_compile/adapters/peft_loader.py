@@ -300,16 +300,16 @@ def _read_adapter_config(path: str) -> AdapterConfig:
     )
 
 
-def read_adapter_weights(path: str) -> dict[str, Tensor]:
-    """``{key without 'base_model.model.': fp32 tensor}`` from ``adapter_model.safetensors``; ValueError naming the
-    folder, the file and the problem for an unreadable (corrupt, truncated) file, a non-float tensor or NaN/Inf."""
+def read_adapter_weights(path: str, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """``{key without 'base_model.model.': tensor in dtype}`` from ``adapter_model.safetensors``; ValueError naming
+    the folder, the file and the problem for an unreadable (corrupt, truncated) file, a non-float tensor or NaN/Inf."""
     try:
-        return _read_adapter_weights(path)
+        return _read_adapter_weights(path, dtype)
     except AdapterFileError as e:
         raise ValueError(f"path: adapter folder {path!r}, {e}") from None
 
 
-def _read_adapter_weights(path: str) -> dict[str, Tensor]:
+def _read_adapter_weights(path: str, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     weights_path = os.path.join(path, WEIGHTS_NAME)
@@ -331,7 +331,7 @@ def _read_adapter_weights(path: str) -> dict[str, Tensor]:
                                  f"({', '.join(str(d).removeprefix('torch.') for d in _FLOAT_DTYPES)})")
         if not torch.isfinite(value).all():
             raise _weights_error(f"adapter weight {key!r} contains NaN or Inf")
-        tensors[key.removeprefix(_PEFT_PREFIX)] = value.float()
+        tensors[key.removeprefix(_PEFT_PREFIX)] = value.to(dtype)
     return tensors
 
 
@@ -396,7 +396,11 @@ what PEFT records), compared with the base the folder records (:func:`check_base
     """
     try:
         config = _read_adapter_config(path)
-        result = _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases or {})
+        dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype.values())
+        # float32 holds any float16 / bfloat16 / float32 slot's result of the scaling exactly enough; float64 slots
+        # get float64 factors, scaled in float64 (parsed in float32, they were 1e-7 off PEFT's float64 model)
+        parse_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
+        result = _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases or {}, parse_dtype)
         if model_type is not None:
             check_base_model(config, model_type, model_module=model_module, has_experts=any(isinstance(m, ExpertsLoRA) for m in result.values()),
                              experts_layout=next((t.layout for t in experts_targets.values()), None))
@@ -461,9 +465,10 @@ def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: boo
     warnings.warn(f"{what}; loading it because its names and shapes fit", stacklevel=3)
 
 
-def _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases) -> dict[str, ModuleLoRA]:
-    """The body of :func:`load_peft_adapter`: fp32 factors, scaled, checked against the targets."""
-    pairs = _pair_keys(_read_adapter_weights(path))
+def _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases,
+                  parse_dtype: torch.dtype = torch.float32) -> dict[str, ModuleLoRA]:
+    """The body of :func:`load_peft_adapter`: factors in ``parse_dtype``, scaled, checked against the targets."""
+    pairs = _pair_keys(_read_adapter_weights(path, parse_dtype))
     if not pairs:  # loading it would serve the base model under the adapter's name, silently
         raise _weights_error("holds no LoRA weights (no lora_A / lora_B tensors): an adapter saved without its "
                              "trained weights, or an empty file?")
@@ -653,7 +658,8 @@ def _stack_experts(experts: dict[int, tuple[str, Tensor, Tensor]], E: int, n_in:
                                  f"[r, {n_in}] / [{n_out}, r] (adapter made for another base model?)")
         _check_rank(module, module, a.shape[0], config)
         r = max(r, a.shape[0])
-    a_all, b_all = torch.zeros(E, r, n_in), torch.zeros(E, n_out, r)
+    dtype = next(iter(experts.values()))[1].dtype  # the parse dtype
+    a_all, b_all = torch.zeros(E, r, n_in, dtype=dtype), torch.zeros(E, n_out, r, dtype=dtype)
     for e, (module, a, b) in experts.items():
         r_e = a.shape[0]
         a_all[e, :r_e], b_all[e, :, :r_e] = a, b * config.scaling_of(module)
@@ -679,8 +685,8 @@ def _experts_from_per_expert(leaves, target: ExpertsTarget, config: AdapterConfi
     out.a13 = torch.cat([a for a, _ in parts], dim=1)
     r_total = out.a13.shape[1]
     r_gate = gate[0].shape[1] if gate is not None else 0
-    gate_b = torch.zeros(E, I, r_total)
-    up_b = torch.zeros(E, I, r_total)
+    gate_b = torch.zeros(E, I, r_total, dtype=out.a13.dtype)
+    up_b = torch.zeros(E, I, r_total, dtype=out.a13.dtype)
     if gate is not None:
         gate_b[:, :, :r_gate] = gate[1]
     if up is not None:

@@ -213,6 +213,28 @@ class AdapterSlots:
         self._writes[slot] += 1
 
     @torch.no_grad()
+    def overflow_under(self, fn) -> Optional[str]:
+        """Why the cast ``fn`` (what ``nn.Module._apply`` applies to each tensor, e.g. ``mm.half()``'s) would turn
+        a loaded adapter's factors into Inf, or None: the finiteness check of a load in the new dtype, for the
+        adapters loaded before the cast (they are scaled: ``lora_alpha / r`` is folded into B)."""
+        if not self._slot_of:
+            return None
+        for module_name, module, buffers in [*((n, m, _EXPERTS_BUFFERS) for n, m in self.experts_modules.items()),
+                                             *((n, m, _LINEAR_BUFFERS) for n, m in self.linear_modules.items())]:
+            for buffer in buffers:
+                t = getattr(module, buffer)
+                new = fn(t.new_empty(0)).dtype
+                if not new.is_floating_point or torch.finfo(new).max >= torch.finfo(t.dtype).max:
+                    continue
+                for name, slot in sorted(self._slot_of.items(), key=lambda item: item[1]):
+                    if not torch.isfinite(t[slot].to(new)).all():
+                        return (f"adapter {name!r}: {module_name!r} {buffer} holds values up to "
+                                f"{t[slot].abs().max().item():.3g} (lora_alpha / r included), beyond {new}'s max "
+                                f"{torch.finfo(new).max:.3g}; a load in {new} refuses it the same way (unload it "
+                                f"first, or keep this dtype)")
+        return None
+
+    @torch.no_grad()
     def clear(self, name: str) -> int:
         """Zero the slot of ``name`` everywhere and forget it; returns the freed slot."""
         slot = self.slot_of(name)

@@ -197,7 +197,10 @@ class MultiLoRAModel(nn.Module):
     def _apply(self, fn, recurse=True):
         # nn.Module.to() converts each module's copy of the shared buffer separately: re-share ours afterwards.
         # Likewise it converts the fused sibling buffers and their views separately: point the views back at the
-        # (converted) fused buffers, which frees the separate copies.
+        # (converted) fused buffers, which frees the separate copies. A cast that would overflow a loaded adapter
+        # (e.g. mm.half() over factors beyond float16's range) is refused first: nothing is converted.
+        if hasattr(self, "slots") and (why := self.slots.overflow_under(fn)) is not None:
+            raise ValueError(f"model: the cast would make LoRA factors infinite: {why}")
         result = super()._apply(fn, recurse)
         if hasattr(self, "slots"):
             self._share_id_buffers()

@@ -427,3 +427,36 @@ def test_dense_target_parameters_take_patterns_by_parameter_name(tmp_path, overr
         got = mm(ids, adapters=["a", "a"]).logits
     assert (want - plain).abs().max() > 0.05  # the adapter changes the logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, lora_overrides", [
+    ("qwen3_moe", dict(r=8, lora_alpha=16, use_rslora=True)),  # scaling 16 / sqrt(8): not exact in float32
+    ("mixtral", dict(r=4, lora_alpha=7)),                      # per-expert keys, scaling 7 / 4
+])
+def test_float64_model_gets_float64_factors(tmp_path, family, lora_overrides):
+    """A float64 model and a float64 adapter (PEFT saves the parameters' dtype): the slots hold B * scaling
+    computed in float64, as PEFT's float64 model does; parsed and scaled in float32 they were ~1e-7 off and the
+    logits 4e-7 off PEFT's."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(family)).eval().double()
+    base.set_experts_implementation("eager")  # transformers' grouped_mm has no float64 kernel on the CPU
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(family, **lora_overrides)).eval().double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # float64 values that float32 cannot hold
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.2)
+    peft_model.save_pretrained(tmp_path)
+    assert {t.dtype for t in load_file(os.path.join(tmp_path, "adapter_model.safetensors")).values()} == {torch.float64}
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=8)
+    mm.load_adapter("a", tmp_path)
+    q = mm.model.model.layers[0].self_attn.q_proj
+    peft_q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    want_b = peft_q.lora_B["default"].weight * peft_q.scaling["default"]
+    assert q.lora_b.dtype == torch.float64
+    assert torch.equal(q.lora_b[0, :, :want_b.shape[1]], want_b)
+    x = torch.randint(3, base.config.vocab_size, (2, 6), generator=generator)
+    with torch.no_grad():
+        got = mm(x, adapters=["a", "a"]).logits
+        want = peft_model(x).logits
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got - want).abs().max()

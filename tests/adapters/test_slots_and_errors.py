@@ -649,3 +649,34 @@ def test_parsed_weights_are_checked_again_after_the_model_is_cast(adapters, tmp_
         if got[key].is_floating_point():  # (the ranks are int32)
             assert got[key].dtype == cast and torch.isfinite(got[key]).all(), key
     assert slot == 0
+
+
+def test_a_cast_that_would_overflow_a_loaded_adapter_is_refused(adapters, tmp_path):
+    """lora_alpha / r is folded into B: B = 100 at scaling 1024 fits float32 (and float16 as PEFT stores it) but
+    not float16 once scaled. A float16 load refuses it; mm.half() after a float32 load made its slots Inf and its
+    rows' logits NaN, silently. The cast is now refused before anything converts; without the adapter it runs."""
+    base = adapters["base"]
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(FAMILY, r=4, lora_alpha=4096)).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.fill_(100.0 if ".lora_B." in name else 1e-6)
+    peft_model.save_pretrained(tmp_path)
+    mm = attach(copy.deepcopy(base), max_loras=2, max_rank=8)
+    mm.load_adapter("big", tmp_path)
+    mm.load_adapter("x", adapters["paths"]["x"])
+    x = torch.randint(3, base.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = mm(x, adapters=["big", "x"]).logits
+        snapshot, ids = _all_buffers(mm)
+        with pytest.raises(ValueError, match=r"cast would make LoRA factors infinite: adapter 'big'.*float16"):
+            mm.half()
+        after, ids_after = _all_buffers(mm)
+        assert ids_after == ids and all(torch.equal(after[k], snapshot[k]) for k in snapshot)
+        assert mm.model.lm_head.weight.dtype == torch.float32
+        assert torch.equal(mm(x, adapters=["big", "x"]).logits, before)
+        mm.to(torch.bfloat16)  # within bfloat16's range: cast
+        assert mm.slots.linear_modules[next(iter(mm.slots.linear_modules))].lora_b.dtype == torch.bfloat16
+        mm.unload_adapter("big")
+        mm.half()
+        assert torch.isfinite(mm(x, adapters=[None, "x"]).logits).all()
