@@ -425,8 +425,8 @@ class DecodeGraphs:
         if S < 1 or S + self.query_len > self.max_cache_len:
             raise ValueError(f"input_ids: a prompt of {S} tokens plus one step of {self.query_len} does not fit "
                              f"max_cache_len={self.max_cache_len}")
-        adapters = None if adapters is None else list(adapters) if not isinstance(adapters, str) else adapters
         self.mm.slots_for(adapters, b)  # same validation (and errors) as mm.forward, before touching anything
+        adapters = None if adapters is None else list(adapters)
         check_prompt_values(input_ids, attention_mask, self.vocab_size)
         self._epoch += 1
         self._allocate_cache()  # (may run a dummy step: before this prefill fills the static buffers)

@@ -35,8 +35,9 @@ class SharedKVStorage:
         if layer_idx not in self.keys:
             for store, states in ((self.keys, key_states), (self.values, value_states)):
                 _, heads, _, dim = states.shape
-                store[layer_idx] = torch.zeros(self.max_batch, heads, self.max_cache_len, dim, dtype=states.dtype,
-                                               device=states.device)
+                with torch.inference_mode(False):  # allocated lazily: maybe inside the caller's inference_mode
+                    store[layer_idx] = torch.zeros(self.max_batch, heads, self.max_cache_len, dim,
+                                                   dtype=states.dtype, device=states.device)
         return self.keys[layer_idx][:batch], self.values[layer_idx][:batch]
 
     @property

@@ -66,7 +66,8 @@ class MultiLoRAModel(nn.Module):
     ``generate``, ``load_adapter``/``unload_adapter`` (the slot write) and :meth:`manual_token_lora_ids` hold one
     re-entrant lock, ``self.lock``, from writing the ids to the end of the model run: concurrent calls from several
     threads are serialized (each gets exactly the result it would get alone), and a hot swap waits for the running
-    forward, which sees exactly one version of the adapter. Calling ``self.model`` directly bypasses the lock and
+    forward, which sees exactly one version of the adapter. Calling ``self.model`` directly takes the lock too (for
+    its whole run: it waits for a call running in another thread, never reads or overwrites that call's ids) and
     runs every row without an adapter (``-1``; never an earlier call's adapters), unless inside
     :meth:`manual_token_lora_ids`, where the caller writes the ids: take ``self.lock`` yourself, as
     :mod:`moe_lora_compile.graphs` does.
@@ -101,15 +102,20 @@ class MultiLoRAModel(nn.Module):
         self._linear_targets = {name: LinearTarget(m.in_features, m.out_features) for name, m in linears.items()}
         self._aliases = {old: family.block_attr for old in family.legacy_block_attrs}
         self._hook = model.register_forward_pre_hook(self._fill_token_lora_ids, with_kwargs=True)
+        # a direct call of self.model takes self.lock for its whole run (released even if it raises)
+        self._direct = threading.local()
+        self._post_hook = model.register_forward_hook(self._end_direct_call, always_call=True)
 
     def __getstate__(self):  # copy.deepcopy / pickle: a lock is not copied, each copy gets its own
         state = self.__dict__.copy()
         state.pop("lock", None)
+        state.pop("_direct", None)
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
         self.lock = threading.RLock()
+        self._direct = threading.local()
 
     # --- attaching -------------------------------------------------------------------------------------------
     def _attach_experts(self, use_ops: bool, fused_router: bool) -> dict[str, nn.Module]:
@@ -340,9 +346,18 @@ class MultiLoRAModel(nn.Module):
         """One slot per sequence (``-1`` = none) from ``adapters``, validated: length, names."""
         if adapters is None:
             return [NO_ADAPTER] * batch_size
+        if isinstance(adapters, (bytes, bytearray, set, frozenset, Mapping)) or not (
+                hasattr(adapters, "__len__") and hasattr(adapters, "__getitem__")):
+            # a set / dict has no row order (a set of names would give rows arbitrary adapters), bytes are ints
+            raise TypeError(f"adapters must be a list (or tuple) with one adapter name (or None) per sequence, in "
+                            f"row order, got {type(adapters).__name__}")
         if isinstance(adapters, str) or len(adapters) != batch_size:
             raise ValueError(f"adapters must be a list with one adapter name (or None) per sequence "
                              f"({batch_size}), got {adapters!r}")
+        bad = next((a for a in adapters if a is not None and not isinstance(a, str)), None)
+        if bad is not None:
+            raise TypeError(f"adapters: entries are adapter names (str) or None, got {bad!r} "
+                            f"({type(bad).__name__}); slot ids are not accepted")
         return [NO_ADAPTER if a is None else self.slots.slot_of(a) for a in adapters]
 
     def _select(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> None:
@@ -407,6 +422,12 @@ class MultiLoRAModel(nn.Module):
     def _fill_token_lora_ids(self, module, args, kwargs):
         """Forward pre-hook: ``sequence_lora_ids[:B]`` <- each sequence's slot; ``token_lora_ids[:B*S]`` <- the same,
         repeated over its S tokens."""
+        # self.model called directly, not from mm(...) / generate / manual ids (compiled steps: DecodeGraphs and
+        # RowGraphs, which hold the lock; traced, so no lock calls there)
+        direct = not torch.compiler.is_compiling() and not self.lock._is_owned()
+        if direct:  # wait for a call running in another thread; run without its adapters (released after the run)
+            self.lock.acquire()
+            self._direct.depth = getattr(self._direct, "depth", 0) + 1
         if self._manual_ids:
             return
         if torch.is_grad_enabled() and self.model.training and any(
@@ -420,8 +441,10 @@ class MultiLoRAModel(nn.Module):
         tokens = kwargs.get("inputs_embeds")
         if tokens is None:
             tokens = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(tokens, Tensor) or tokens.dim() < 2:
+            return  # no ids to write: the model's own check names the problem
         batch, seq_len = tokens.shape[0], tokens.shape[1]
-        per_sequence = self._sequence_slots
+        per_sequence = torch.full((1,), NO_ADAPTER, dtype=torch.int32) if direct else self._sequence_slots
         if batch != per_sequence.numel():  # generate(num_beams / num_return_sequences) repeats each sequence
             if batch % per_sequence.numel():
                 raise ValueError(f"adapters: {per_sequence.numel()} entries for a batch of {batch} sequences")
@@ -432,6 +455,11 @@ class MultiLoRAModel(nn.Module):
         per_sequence = per_sequence.to(self.token_lora_ids.device)
         self.sequence_lora_ids[:batch].copy_(per_sequence)
         self.token_lora_ids[:num_tokens].copy_(per_sequence.repeat_interleave(seq_len))
+
+    def _end_direct_call(self, module, args, output):
+        if not torch.compiler.is_compiling() and getattr(self._direct, "depth", 0):
+            self._direct.depth -= 1
+            self.lock.release()
 
     def _grow(self, num_tokens: int) -> None:
         size = old = self.token_lora_ids.numel()
@@ -447,8 +475,10 @@ class MultiLoRAModel(nn.Module):
                           f"old buffers); attach with max_tokens >= the largest batch x length", RuntimeWarning,
                           stacklevel=2)
         device = self.token_lora_ids.device
-        self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
-        self.sequence_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
+        with torch.inference_mode(False):  # a forward under inference_mode must not leave inference tensors here:
+            # every later forward outside it writes them in place
+            self.token_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
+            self.sequence_lora_ids = torch.full((size,), NO_ADAPTER, dtype=torch.int32, device=device)
         self._share_id_buffers()
 
     def _batch_size(self, input_ids: Optional[Tensor], kwargs: dict) -> int:

@@ -680,3 +680,28 @@ def test_a_cast_that_would_overflow_a_loaded_adapter_is_refused(adapters, tmp_pa
         mm.unload_adapter("big")
         mm.half()
         assert torch.isfinite(mm(x, adapters=[None, "x"]).logits).all()
+
+
+@pytest.mark.parametrize("adapters_arg, error", [
+    ({"x", "y"}, TypeError),          # a set has no row order: rows got arbitrary adapters (by hash seed)
+    ({"x": 0, "y": 1}, TypeError),    # a dict was read by its keys
+    (b"ab", TypeError),               # bytes are ints
+    ((n for n in ("x", "y")), TypeError),  # forward had no len() for it; DecodeGraphs took it
+    ([0, 1], TypeError),              # slot ids are no names (it was "unknown adapter 0")
+    (["x"], ValueError),              # one entry for two sequences
+])
+def test_adapters_must_be_an_ordered_list_of_names(mm, adapters_arg, error):
+    ids = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(error, match="adapters"):
+        mm(ids, adapters=adapters_arg)
+
+
+def test_adapters_as_a_tuple_or_numpy_array_of_names(mm, adapters):
+    import numpy as np
+
+    ids = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = mm(ids, adapters=["x", None]).logits
+        assert torch.equal(mm(ids, adapters=("x", None)).logits, want)
+        assert torch.equal(mm(ids, adapters=np.array(["x", None], dtype=object)).logits, want)
+        assert torch.equal(mm(ids, adapters=np.array(["x", "y"])).logits, mm(ids, adapters=["x", "y"]).logits)

@@ -71,3 +71,25 @@ def test_cached_greedy_decode_matches_peft_per_target(family, tmp_path):
             torch.testing.assert_close(logits[row, :n], want_logits[0], rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"{family} row {row} ({target}): {m}")
             assert torch.equal(tokens[row, :n], want_tokens[0]), f"{family} row {row} ({target})"
+
+
+def test_a_forward_under_inference_mode_leaves_no_inference_tensors(tmp_path):
+    """A first forward under torch.inference_mode() with more tokens than max_tokens grows the id buffers: they were
+    made inference tensors there, and every later forward outside inference_mode failed ("Inplace update to
+    inference tensor outside InferenceMode"). Likewise DecodeGraphs' KV storage, allocated at its first prefill."""
+    from moe_lora_compile.graphs import DecodeGraphs
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4, max_tokens=4)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        first = mm(ids).logits
+    assert mm.token_lora_ids.numel() >= ids.numel() and not mm.token_lora_ids.is_inference()
+    with torch.no_grad():
+        assert torch.equal(mm(ids).logits, first)
+        assert torch.equal(mm(ids).logits, base(ids).logits)
+    graphs = DecodeGraphs(mm, batch_sizes=(2,), max_cache_len=16, capture=False, log=None)
+    with torch.inference_mode():
+        first = graphs.generate(ids, max_new_tokens=3)
+    assert torch.equal(graphs.generate(ids, max_new_tokens=3), first)

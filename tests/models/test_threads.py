@@ -111,3 +111,50 @@ def test_hot_swap_during_forwards_gives_exactly_one_adapter(setup, fast_switchin
     mixed = [i for i, r in enumerate(results)
              if not (torch.allclose(r, with_a, atol=1e-5, rtol=1e-5) or torch.allclose(r, with_b, atol=1e-5, rtol=1e-5))]
     assert not mixed, f"forwards {mixed} saw a half-swapped adapter"
+
+
+def test_a_direct_model_call_waits_for_a_running_call_and_runs_without_adapters(setup):
+    """mm.model(...) called directly while another thread's mm.generate is between two of its forwards: it read that
+    call's adapter list (its rows got adapter a) and wrote the shared id buffers the running call reads. It now
+    takes mm.lock (waits), runs every row without an adapter, and the running call's tokens are its own."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    mm, _, ids = setup
+    inside, release = threading.Event(), threading.Event()
+
+    class Pause(LogitsProcessor):  # holds generate between two of its forwards
+        def __call__(self, input_ids, scores):
+            inside.set()
+            release.wait(timeout=30)
+            return scores
+
+    with torch.no_grad():
+        want_generate = mm.generate(ids, adapters=["a", "b"], max_new_tokens=3, do_sample=False)
+        other = torch.randint(3, 128, (2, 4), generator=torch.Generator().manual_seed(5))
+        want_direct = mm(other).logits  # no adapter
+    got = {}
+
+    def run_generate():
+        with torch.no_grad():
+            got["generate"] = mm.generate(ids, adapters=["a", "b"], max_new_tokens=3, do_sample=False,
+                                          logits_processor=LogitsProcessorList([Pause()]))
+
+    def run_direct():
+        with torch.no_grad():
+            got["direct"] = mm.model(other).logits
+
+    generating = threading.Thread(target=run_generate)
+    generating.start()
+    assert inside.wait(timeout=30)
+    direct = threading.Thread(target=run_direct)
+    direct.start()
+    direct.join(timeout=0.5)
+    waited = direct.is_alive()
+    release.set()
+    generating.join(timeout=60)
+    direct.join(timeout=60)
+    assert waited  # it ran only after the generate call ended
+    assert torch.equal(got["generate"], want_generate)
+    assert torch.equal(got["direct"], want_direct)
+    assert mm.lock.acquire(blocking=False)  # released after the direct call
+    mm.lock.release()
