@@ -1,8 +1,8 @@
 """Per-request sampling that a seed makes reproducible whatever else runs in the batch.
 
-``sample`` draws one token per row from ``softmax(logits / temperature)`` restricted to the top-k tokens and then to
-the nucleus of those (the fewest most likely of them whose probability, renormalised over the top k, reaches
-``top_p``: transformers' and vLLM's order), by the exponential race (Gumbel-max):
+``sample`` draws one token per row from ``softmax(logits / temperature)`` restricted to the top-k tokens (and those
+tied with the k-th) and then to the nucleus of those (the fewest most likely of them whose probability, renormalised
+over the top k, reaches ``top_p``: transformers' and vLLM's order), by the exponential race (Gumbel-max):
 ``argmax_i log p_i - log E_i`` with ``E_i ~ Exp(1)`` is distributed as ``p``. The noise ``E`` is not drawn from a
 generator but computed from ``(seed, counter, token id)`` by an integer hash, so a row's draw depends only on its own
 logits, its seed and its counter (the request's token index): the same request gives the same tokens alone or beside
@@ -62,8 +62,11 @@ def filtered_scores(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
         # rounds the scores to ties (all 0), and top-k / top-p then kept arbitrary tokens
         order = logits.argsort(dim=-1, descending=True)
         ordered = scores.gather(1, order)
-        ranks = torch.arange(scores.shape[-1], device=scores.device)
-        drop = (top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None])
+        ordered_logits = logits.gather(1, order)
+        # top-k keeps every token whose logit reaches the k-th largest, ties included (transformers' TopK warper
+        # and vLLM keep them too: with logits [2, 1.5, 1.5] and top_k=2 all three stay)
+        kth = ordered_logits.gather(1, (top_k.long().clamp(1, logits.shape[-1]) - 1)[:, None])
+        drop = (top_k[:, None] > 0) & (ordered_logits < kth)
         # the nucleus of the top-k tokens' renormalised distribution (transformers' TopK then TopP warpers, vLLM):
         # with p = [0.5, 0.3, 0.2], top_k=2, top_p=0.6 only the first token stays (0.5 / 0.8 >= 0.6)
         probs = ordered.masked_fill(drop, float("-inf")).softmax(-1)

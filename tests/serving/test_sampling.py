@@ -10,15 +10,17 @@ import torch
 from moe_lora_compile.serving.sampling import filtered_scores, sample, uniform_noise, unit_interval
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 0.9, 1.4])
+TIED = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, 1.5, 1.4])
+TIED_TOP = torch.tensor([2.0, 1.5, 1.0, 0.2, 2.0, -1.0, 0.9, 1.4])
 
 
 def _expected(logits, temperature, top_p, top_k):
     """The target distribution, as transformers' warpers define it: softmax(l / T), keep the k most likely,
     renormalise, then keep the fewest most likely of those whose probability reaches top_p, renormalise (float64)."""
     p = torch.softmax(logits.double() / temperature, -1)
-    order = p.argsort(descending=True).tolist()
-    if top_k:
-        order = order[:top_k]
+    order = p.argsort(descending=True, stable=True).tolist()
+    if top_k:  # the k most likely and every token tied with the k-th
+        order = [t for t in order if p[t] >= p[order[top_k - 1]]]
     p_k = p[order] / p[order].sum()
     keep, mass = [], 0.0
     for token, q in zip(order, p_k.tolist()):
@@ -31,22 +33,24 @@ def _expected(logits, temperature, top_p, top_k):
     return q / q.sum()
 
 
-@pytest.mark.parametrize("temperature, top_p, top_k", [
-    (1.0, 1.0, 0),    # plain softmax
-    (0.7, 1.0, 0),    # temperature sharpens
-    (1.3, 0.8, 0),    # nucleus cuts the tail
-    (1.0, 1.0, 3),    # top-k
-    (2.0, 0.9, 5),    # both: the nucleus of the top-5 distribution
-    (1.0, 0.6, 2),    # both: the top-2 nucleus keeps 1 token (a nucleus over all 8, cut to 2, kept 2)
+@pytest.mark.parametrize("temperature, top_p, top_k, logits", [
+    (1.0, 1.0, 0, LOGITS),    # plain softmax
+    (0.7, 1.0, 0, LOGITS),    # temperature sharpens
+    (1.3, 0.8, 0, LOGITS),    # nucleus cuts the tail
+    (1.0, 1.0, 3, LOGITS),    # top-k
+    (2.0, 0.9, 5, LOGITS),    # both: the nucleus of the top-5 distribution
+    (1.0, 0.6, 2, LOGITS),    # both: the top-2 nucleus keeps 1 token (a nucleus over all 8, cut to 2, kept 2)
+    (1.0, 1.0, 2, TIED),  # the 2nd and 3rd logits tie: top-2 keeps 3 tokens (transformers and vLLM keep ties)
+    (1.0, 1.0, 1, TIED_TOP),  # two tokens tie for the largest logit: top-1 draws either
 ])
-def test_draws_follow_the_target_distribution(temperature, top_p, top_k):
+def test_draws_follow_the_target_distribution(temperature, top_p, top_k, logits):
     n = 20000
-    rows = LOGITS.expand(n, -1)
+    rows = logits.expand(n, -1)
     full = lambda v: torch.full((n,), v)  # noqa: E731
     tokens = sample(rows, full(float(temperature)), full(float(top_p)), full(top_k).long(),
                     torch.full((n,), 1234, dtype=torch.long), torch.arange(n))
-    freq = torch.bincount(tokens, minlength=LOGITS.numel()).double() / n
-    want = _expected(LOGITS, temperature, top_p, top_k)
+    freq = torch.bincount(tokens, minlength=logits.numel()).double() / n
+    want = _expected(logits, temperature, top_p, top_k)
     assert torch.all(freq[want == 0] == 0)  # never outside top-k / the nucleus
     sigma = (want * (1 - want) / n).sqrt()
     assert torch.all((freq - want).abs() <= 5 * sigma + 1e-9), (freq, want)
@@ -121,3 +125,25 @@ def test_top_k_and_top_p_hold_at_huge_temperatures(temperature):
     drawn = sample(logits, t, torch.full((n,), 0.3, dtype=torch.float64), torch.zeros(n, dtype=torch.long), seeds,
                    torch.zeros(n))
     assert set(drawn.tolist()) == top3
+
+
+@pytest.mark.parametrize("top_k, top_p", [(2, 1.0), (1, 1.0), (3, 0.7), (5, 0.5)])
+def test_the_kept_tokens_are_transformers_warpers(top_k, top_p):
+    """The tokens left finite are the ones transformers' TopK then TopP warpers leave, on bf16-rounded logits with
+    many ties (a GPT-OSS row at bf16 ties near its top often): top-k keeps the tokens tied with the k-th."""
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(32, 300, generator=g) * 2).bfloat16().float()
+    logits[:, :4] = logits[:, :1]  # a 4-way tie for the row's first logit, wherever it ranks
+    scores = filtered_scores(logits, torch.ones(32), torch.full((32,), top_p), torch.full((32,), top_k),
+                             filtered=True)
+    want = warpers.TopKLogitsWarper(top_k)(None, logits.clone())
+    if top_p < 1:
+        want = warpers.TopPLogitsWarper(top_p)(None, want)
+    # the nucleus' boundary among tied tokens depends on the sort order: compare the rows whose kept sets do not
+    # end inside a tie (most of them), and require top-k's ties always
+    same = torch.isfinite(scores) == torch.isfinite(want)
+    assert bool(same.all(-1).float().mean() >= (1.0 if top_p == 1 else 0.8)), same.all(-1)
+    if top_p == 1:
+        kth = logits.topk(top_k, -1).values[:, -1:]
+        assert torch.equal(torch.isfinite(scores), logits >= kth)
