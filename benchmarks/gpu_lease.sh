@@ -8,10 +8,11 @@
 #                                                       # 1/8/32/64, then the chat-shaped run
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode2   # bench_decode Qwen3-30B-A3B (batch 1/8), GPT-OSS's
 #                                                       # hf_compiled in a second process (--gpu-lock)
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh layer     # the MoE layer's grids: mixed ranks, MXFP4, the bf16 grid
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode_ab # ours_none / ours_lora of GPT-OSS-20B once per variant of
 #                                                       # the environment (AB_VARIANTS, ';'-separated), one process each
 set -uo pipefail
-CALL=${1:?tests|serving|decode|decode2}
+CALL=${1:?tests|serving|decode|decode2|layer|decode_ab}
 OUT=${OUT:-/tmp/moe_lora_out}
 W="$OUT/$CALL"; export W
 mkdir -p "$W"
@@ -130,6 +131,16 @@ decode2)
     step decode_hfc 300 "${HFC_CMD[@]}"
   fi
   render_decode
+  ;;
+layer)
+  # the layer benchmark's grids (issue 16): mixed ranks per model, the MXFP4 grid (GPT-OSS-20B, T 1-512, L 1/4/16,
+  # R 16/64), then the full bf16 grid with every column (bench_fused_moe_lora.py's defaults)
+  step ranks 90 python3 benchmarks/bench_fused_moe_lora.py --mixed-ranks --json "$W/ranks.json" --md "$W/ranks.md"
+  step mxfp4_grid 200 python3 benchmarks/bench_fused_moe_lora.py --mxfp4 --json "$W/mxfp4_grid.json" \
+    --md "$W/mxfp4_grid.md"
+  step grid "${GRID_LIMIT:-320}" python3 benchmarks/bench_fused_moe_lora.py ${GRID_ARGS:-} --json "$W/grid.json" \
+    --md "$W/grid.md"
+  tail -3 "$W"/ranks.log "$W"/mxfp4_grid.log "$W"/grid.log
   ;;
 decode_ab)
   # an A/B of environment switches on the whole step, each variant in its own process (the hot-path switches are
