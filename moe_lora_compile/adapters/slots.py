@@ -234,6 +234,33 @@ class AdapterSlots:
                                 f"first, or keep this dtype)")
         return None
 
+    def _buffers(self):
+        """``(module name, module, buffer name)`` of every slot buffer holding factors."""
+        for module_name, module in self.experts_modules.items():
+            for buffer in _EXPERTS_BUFFERS:
+                yield module_name, module, buffer
+        for module_name, module in self.linear_modules.items():
+            for buffer in _LINEAR_BUFFERS:
+                yield module_name, module, buffer
+
+    def dtypes(self) -> tuple:
+        """The slot buffers' dtypes: a cast outside ``mm`` (e.g. ``mm.model.half()``) changes them without the
+        check of :meth:`overflow_under`."""
+        return tuple(getattr(m, b).dtype for _, m, b in self._buffers())
+
+    @torch.no_grad()
+    def nonfinite(self) -> dict[str, tuple[int, int, str]]:
+        """``{adapter name: (slot, its write counter, where)}`` for the loaded adapters whose slots hold Inf / NaN
+        (a host sync per buffer): a load never writes such values, so only a cast that bypassed
+        :meth:`overflow_under` did; a later write of the slot (a reload) makes the entry stale."""
+        found: dict[str, tuple[int, int, str]] = {}
+        for module_name, module, buffer in self._buffers():
+            t = getattr(module, buffer)
+            for name, slot in self._slot_of.items():
+                if name not in found and not torch.isfinite(t[slot]).all():
+                    found[name] = (slot, self._writes[slot], f"{module_name!r} {buffer} ({t.dtype})")
+        return found
+
     @torch.no_grad()
     def clear(self, name: str) -> int:
         """Zero the slot of ``name`` everywhere and forget it; returns the freed slot."""

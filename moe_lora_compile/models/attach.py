@@ -98,6 +98,7 @@ class MultiLoRAModel(nn.Module):
         self.unfused_groups: dict[tuple[str, ...], str] = {}
         self._fused_leaders = self._fuse_siblings(linears, fuse)
         self.slots = AdapterSlots(experts, linears, max_loras)
+        self._checked_dtypes, self._nonfinite = self.slots.dtypes(), {}  # see _nonfinite_adapters
         self._experts_targets = {name: self._experts_target(m) for name, m in experts.items()}
         self._linear_targets = {name: LinearTarget(m.in_features, m.out_features) for name, m in linears.items()}
         self._aliases = {old: family.block_attr for old in family.legacy_block_attrs}
@@ -358,7 +359,25 @@ class MultiLoRAModel(nn.Module):
         if bad is not None:
             raise TypeError(f"adapters: entries are adapter names (str) or None, got {bad!r} "
                             f"({type(bad).__name__}); slot ids are not accepted")
-        return [NO_ADAPTER if a is None else self.slots.slot_of(a) for a in adapters]
+        slots = [NO_ADAPTER if a is None else self.slots.slot_of(a) for a in adapters]
+        broken = self._nonfinite_adapters()
+        bad = next((a for a in adapters if a in broken), None)
+        if bad is not None:
+            raise ValueError(f"adapters: adapter {bad!r} holds infinite factors ({broken[bad]}): the model was cast "
+                             f"outside mm (e.g. mm.model.half() or model.to(...) after attach), and its scaled "
+                             f"factors (lora_alpha / r folded into B) do not fit the new dtype; unload it or cast "
+                             f"back and reload it (mm.half() / mm.to(dtype) refuse such a cast up front)")
+        return slots
+
+    def _nonfinite_adapters(self) -> dict[str, str]:
+        """``{name: where}`` of the loaded adapters made infinite by a cast that bypassed :meth:`_apply`'s check:
+        looked for (:meth:`AdapterSlots.nonfinite`, host syncs) only when the slot buffers' dtypes changed since
+        the last look, so a call costs a tuple of dtypes; an adapter written since (a reload) is dropped."""
+        dtypes = self.slots.dtypes()
+        if dtypes != self._checked_dtypes:
+            self._nonfinite, self._checked_dtypes = self.slots.nonfinite(), dtypes
+        return {name: where for name, (slot, writes, where) in self._nonfinite.items()
+                if self.slots.names.get(name) == slot and self.slots.writes(slot) == writes}
 
     def _select(self, adapters: Optional[Sequence[Optional[str]]], batch_size: int) -> None:
         """Per-sequence slots from ``adapters`` (validated: length, names) for the next forward/generate."""

@@ -682,6 +682,33 @@ def test_a_cast_that_would_overflow_a_loaded_adapter_is_refused(adapters, tmp_pa
         assert torch.isfinite(mm(x, adapters=[None, "x"]).logits).all()
 
 
+def test_a_cast_outside_mm_that_overflowed_an_adapter_is_refused_at_use(adapters, tmp_path):
+    """mm.model.half() (or the user's own `model` after attach) casts without mm's check: the adapter whose scaled
+    factors overflow float16 became Inf there and its rows' logits NaN, silently. Its next use is now a ValueError
+    naming it; the other adapters and base rows run; a reload of the slot in range clears it."""
+    base = adapters["base"]
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(FAMILY, r=4, lora_alpha=4096)).eval()
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if ".lora_" in name:
+                p.fill_(100.0 if ".lora_B." in name else 1e-6)
+    peft_model.save_pretrained(tmp_path)
+    mm = attach(copy.deepcopy(base), max_loras=3, max_rank=8)
+    mm.load_adapter("big", tmp_path)
+    mm.load_adapter("x", adapters["paths"]["x"])
+    x = torch.randint(3, base.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        mm.model.half()  # bypasses mm._apply
+        with pytest.raises(ValueError, match=r"adapter 'big' holds infinite factors.*cast outside mm"):
+            mm(x, adapters=["big", "x"])
+        with pytest.raises(ValueError, match="adapter 'big'"):
+            mm.generate(x, adapters=["x", "big"], max_new_tokens=2, do_sample=False)
+        logits = mm(x, adapters=[None, "x"]).logits
+        assert logits.dtype == torch.float16 and torch.isfinite(logits).all()
+        mm.load_adapter("big", adapters["paths"]["x"], replace=True)  # the slot rewritten with finite factors
+        assert torch.isfinite(mm(x, adapters=["big", "x"]).logits).all()
+
+
 @pytest.mark.parametrize("adapters_arg, error", [
     ({"x", "y"}, TypeError),          # a set has no row order: rows got arbitrary adapters (by hash seed)
     ({"x": 0, "y": 1}, TypeError),    # a dict was read by its keys
