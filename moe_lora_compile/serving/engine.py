@@ -541,6 +541,7 @@ class ServingEngine:
             return NO_ADAPTER, False
         if self.store is not None and adapter in self.store:
             return self.store.acquire([adapter])[0], True  # (the store pins what it holds)
+        self.mm.slots_for([adapter], 1)  # a forward's checks (e.g. an adapter a cast around mm made infinite)
         return self.mm._pin_adapter(adapter), False
 
     def _prefill(self) -> list[tuple[_Live, torch.Tensor]]:

@@ -237,6 +237,24 @@ def test_an_adapter_that_fails_to_load_fails_only_its_request(setup):
     assert store.in_use == {} and "broken" not in setup.model.adapters
 
 
+def test_a_request_for_an_adapter_a_cast_around_mm_made_infinite_fails(setup):
+    """mm.model.half() bypasses mm's overflow check: an adapter whose factors it made infinite fails its request
+    (finish_reason "error", naming it); a base-model request beside it is served. It decoded NaN logits before."""
+    mm = attach(copy.deepcopy(setup.base), max_loras=2, max_rank=8)
+    mm.load_adapter("big", os.path.join(setup.workdir, "alpha"))
+    with torch.no_grad():  # factors beyond float16's range (as lora_alpha / r folded into B can make them)
+        next(iter(mm.slots.linear_modules.values())).lora_b[mm.adapters["big"]].fill_(1e6)
+    mm.model.half()
+    engine = _engine(mm)
+    bad = engine.submit(setup.prompts[0], adapter="big", max_new_tokens=3)
+    base = engine.submit(setup.prompts[1], adapter=None, max_new_tokens=3)
+    engine.run()
+    assert bad.finish_reason == "error" and bad.tokens == []
+    with pytest.raises(RuntimeError, match="adapter 'big' holds infinite factors"):
+        bad.result()
+    assert len(base.tokens) == 3
+
+
 def test_a_request_no_slot_can_ever_serve_fails(setup):
     """Every slot taken by adapters loaded into mm directly and nothing live: a request for a store adapter ends
     with "error" (NoFreeSlot) instead of waiting forever (result() used to spin)."""
