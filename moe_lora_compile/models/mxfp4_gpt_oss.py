@@ -19,6 +19,7 @@ the ``kernels`` package).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from typing import Optional
@@ -145,6 +146,10 @@ def quantize_gpt_oss_experts_(model: nn.Module) -> int:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     names = [name for name, module in model.named_modules() if isinstance(module, GptOssExperts)]
+    attached = [name for name in names if getattr(model.get_submodule(name), "moe_lora_layout", None) is not None]
+    if attached:  # the MultiLoRAModel's slots point at the old modules: the new ones would run without LoRA
+        raise ValueError(f"model: {attached[0]!r} is attached (mlc.attach): quantize the experts before attach, "
+                         f"then attach the quantized model")
     if not names:
         raise ValueError("model: no GptOssExperts to quantize (expects transformers' GPT-OSS)")
     for name in names:
@@ -153,6 +158,18 @@ def quantize_gpt_oss_experts_(model: nn.Module) -> int:
         del experts
     model.config.quantization_config = dict(MXFP4_QUANTIZATION_CONFIG)
     return len(names)
+
+
+def _float_dtype(dtype, config) -> torch.dtype:
+    """``dtype`` as a floating torch.dtype: a torch.dtype, its name ("bfloat16"), or "auto" (transformers'
+    spelling: the config's dtype, else bfloat16, the checkpoint's); TypeError for anything else."""
+    if isinstance(dtype, str) and dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype, its name, or 'auto', got {dtype!r}")
+    return dtype
 
 
 def build_mxfp4_gpt_oss(config, *, dtype: torch.dtype = torch.bfloat16, device=None, seed: int = 0,
@@ -176,9 +193,10 @@ def build_mxfp4_gpt_oss(config, *, dtype: torch.dtype = torch.bfloat16, device=N
     for name in ("hidden_size", "intermediate_size"):
         if getattr(config, name) % GROUP_SIZE:
             raise ValueError(f"config.{name} ({getattr(config, name)}) must be a multiple of {GROUP_SIZE} for MXFP4")
+    dtype = _float_dtype(dtype, config)
     torch.manual_seed(seed)
-    with torch.device(device or "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with torch.device(device or "cpu"):  # (a copy: the model keeps its config, whose quantization_config is set)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     std = config.initializer_range if bias_std is None else bias_std
     quantize_gpt_oss_experts_(model)
     with torch.no_grad():
@@ -203,6 +221,7 @@ def load_mxfp4_gpt_oss(path: str, *, dtype: torch.dtype = torch.bfloat16, device
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     config = AutoConfig.from_pretrained(path)
+    dtype = _float_dtype(dtype, config)
     if getattr(config, "model_type", None) != "gpt_oss":
         raise ValueError(f"{path}: expected a GPT-OSS checkpoint (model_type 'gpt_oss'), got "
                          f"{getattr(config, 'model_type', None)!r}")
@@ -238,6 +257,14 @@ def load_mxfp4_gpt_oss(path: str, *, dtype: torch.dtype = torch.bfloat16, device
                 src, dst = f.get_tensor(key), targets[key]
                 if src.shape != dst.shape:
                     raise ValueError(f"{file}: {key} has shape {list(src.shape)}, the model {list(dst.shape)}")
+                if dst.dtype == torch.uint8:  # blocks / scales: the stored bits, never a value conversion
+                    if src.dtype in (torch.int8, torch.float8_e8m0fnu):
+                        src = src.view(torch.uint8)
+                    elif src.dtype != torch.uint8:
+                        raise ValueError(f"{file}: {key} is {src.dtype}; MXFP4 blocks and scales must be uint8 "
+                                         f"(E2M1 pairs / E8M0 exponent bytes)")
+                elif not src.is_floating_point():
+                    raise ValueError(f"{file}: {key} is {src.dtype}, the model's {dst.dtype}")
                 with torch.no_grad():
                     dst.copy_(src)  # uint8 blocks/scales as stored; float tensors cast to dtype
                 loaded.add(key)
@@ -247,6 +274,10 @@ def load_mxfp4_gpt_oss(path: str, *, dtype: torch.dtype = torch.bfloat16, device
     missing = sorted(set(targets) - loaded)
     if missing:
         raise ValueError(f"{path}: the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:3]}")
+    if os.path.isfile(os.path.join(path, "generation_config.json")):  # as from_pretrained: its stop tokens
+        from transformers import GenerationConfig               # (<|call|>, <|endoftext|>), do_sample, ...
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval().requires_grad_(False)
 
 

@@ -380,6 +380,64 @@ def test_load_mxfp4_checkpoint_refuses_what_it_cannot_place(tmp_path):
         load_mxfp4_gpt_oss(str(folder))
 
 
+def test_load_mxfp4_checkpoint_reads_its_generation_config(tmp_path):
+    """The real checkpoints' generation_config.json lists more stop tokens than config.json (<|call|>,
+    <|endoftext|>) and do_sample: the loader ignored it, so generation ran past them (what from_pretrained reads)."""
+    from transformers import GenerationConfig
+
+    build_mxfp4_gpt_oss(_mxfp4_config()).save_pretrained(tmp_path)
+    GenerationConfig(eos_token_id=[2, 112], do_sample=True, temperature=0.7, bos_token_id=1).save_pretrained(tmp_path)
+    model = load_mxfp4_gpt_oss(str(tmp_path), dtype=torch.float32)
+    assert model.generation_config.eos_token_id == [2, 112] and model.generation_config.do_sample is True
+    assert model.generation_config.temperature == 0.7
+
+
+def test_load_mxfp4_checkpoint_takes_the_stored_bits_only(tmp_path):
+    """Blocks / scales are bytes: E8M0 scales stored as float8_e8m0fnu load as their bits (a value copy turned
+    2**-7 into the byte 0); float or wide-int copies of them are refused (they were cast by value, logits off or NaN)."""
+    from safetensors.torch import load_file, save_file
+
+    build_mxfp4_gpt_oss(_mxfp4_config()).save_pretrained(tmp_path)
+    want = load_mxfp4_gpt_oss(str(tmp_path), dtype=torch.float32)
+    weights = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.0.mlp.experts.gate_up_proj_scales"
+    save_file(dict(weights, **{key: weights[key].view(torch.float8_e8m0fnu)}), tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    got = load_mxfp4_gpt_oss(str(tmp_path), dtype=torch.float32)
+    assert torch.equal(got.state_dict()[key], want.state_dict()[key])
+    for bad in (torch.ldexp(torch.ones(weights[key].shape), weights[key].int() - 127), weights[key].int() - 127):
+        save_file(dict(weights, **{key: bad.contiguous()}), tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"{key} is torch.(float32|int32).*must be uint8"):
+            load_mxfp4_gpt_oss(str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype, want", [("auto", torch.bfloat16), ("float32", torch.float32),
+                                         (torch.float16, torch.float16)])
+def test_dtype_by_name_or_auto(tmp_path, dtype, want):
+    build_mxfp4_gpt_oss(_mxfp4_config(), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    assert load_mxfp4_gpt_oss(str(tmp_path), dtype=dtype).lm_head.weight.dtype == want
+    assert build_mxfp4_gpt_oss(_mxfp4_config(), dtype=dtype).lm_head.weight.dtype == want
+    with pytest.raises(TypeError, match="floating torch.dtype"):
+        load_mxfp4_gpt_oss(str(tmp_path), dtype="int8")
+
+
+def test_quantizing_an_attached_model_is_refused():
+    """The slots point at the attached experts modules: swapping them for quantized ones ran every adapter's
+    expert LoRA as nothing, silently."""
+    from moe_lora_compile.models.mxfp4_gpt_oss import quantize_gpt_oss_experts_
+
+    mm = mlc.attach(AutoModelForCausalLM.from_config(tiny_config("gpt_oss", hidden_size=64, intermediate_size=96)),
+                    max_loras=2, max_rank=4)
+    with pytest.raises(ValueError, match="quantize the experts before attach"):
+        quantize_gpt_oss_experts_(mm.model)
+
+
+def test_build_leaves_the_callers_config_alone():
+    config = tiny_config("gpt_oss", hidden_size=64, intermediate_size=96)
+    build_mxfp4_gpt_oss(config)
+    assert getattr(config, "quantization_config", None) is None
+
+
 def _saved(folder, config):
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     return folder
