@@ -97,10 +97,13 @@ def validated_draft(proposal, b: int, k: int, vocab: int) -> Tensor:
         raise ValueError(f"{what}, got dtype {proposal.dtype}")
     if tuple(proposal.shape) != (b, k):
         raise ValueError(f"{what}, got shape {tuple(proposal.shape)}")
+    # compared in int64: `int8_tensor >= 128` wraps the bound to -128 (valid ids refused), and unsigned tensors
+    # (numpy uint16 id tables) have no `<` on CPU (NotImplementedError); uint64 ids >= 2**63 turn negative: refused
+    proposal = proposal.long()
     if proposal.numel() and bool(((proposal < 0) | (proposal >= vocab)).any()):
         bad = proposal[(proposal < 0) | (proposal >= vocab)].unique().tolist()
         raise ValueError(f"{what}, got out-of-vocabulary ids {bad[:8]}")
-    return proposal.long()
+    return proposal
 
 
 def own_code(fn: Callable) -> Callable:

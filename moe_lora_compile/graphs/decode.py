@@ -490,9 +490,11 @@ class DecodeGraphs:
         if tuple(tokens.shape) != (b, q):
             raise ValueError(f"tokens must be [{b}, {q}] (batch, 1 + num_speculative_tokens), "
                              f"got {tuple(tokens.shape)}")
-        if tokens.device.type == "cpu" and bool(((tokens < 0) | (tokens >= self.vocab_size)).any()):
-            raise ValueError(f"tokens: ids outside the vocabulary [0, {self.vocab_size}) "
-                             f"(min {int(tokens.min())}, max {int(tokens.max())})")
+        if tokens.device.type == "cpu":
+            ids = tokens.long()  # int64: a narrow dtype wraps the bound (int8 >= 128), unsigned ones have no `<`
+            if bool(((ids < 0) | (ids >= self.vocab_size)).any()):
+                raise ValueError(f"tokens: ids outside the vocabulary [0, {self.vocab_size}) "
+                                 f"(min {int(ids.min())}, max {int(ids.max())})")
         if p + q > self.max_cache_len:
             raise ValueError(f"cache full: slot {p} + {q} tokens > max_cache_len={self.max_cache_len}")
         with self.mm.lock:  # ids in, model run: not interleaved with another thread's forward or adapter swap

@@ -213,6 +213,9 @@ class ServingEngine:
             raise ValueError(f"max_bypass must be an int >= 0, got {max_bypass!r}")
         if draft is not None and not callable(draft):
             raise ValueError(f"draft must be callable (handles, k) -> [len(handles), k] token ids, got {draft!r}")
+        if draft is not None and num_speculative_tokens == 0:  # as DecodeGraphs.generate refuses it
+            raise ValueError("draft= needs num_speculative_tokens > 0 (the steps verify k drafts a row); with 0 "
+                             "it would never be called")
         self.mm, self.store, self.max_bypass = mm, store, max_bypass
         self.schedule = schedule
         self.graphs = RowGraphs(mm, max_rows=max_rows, max_cache_len=max_cache_len, batch_sizes=batch_sizes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -50,6 +51,17 @@ def test_valid_drafts_as_lists_and_int32_are_accepted():
     assert torch.equal(graphs.generate(prompt, max_new_tokens=4, draft=lambda s: [[5, 6]] * len(s)), reference)
     draft = lambda s: torch.full((len(s), K), 7, dtype=torch.int32)
     assert torch.equal(graphs.generate(prompt, max_new_tokens=4, draft=draft), reference)
+    # narrow and unsigned integer ids (numpy uint16 id tables): compared in int64 (int8 wrapped the bound 128 to
+    # -128 and refused valid ids; unsigned ones had no `<` on CPU: NotImplementedError)
+    for dtype in (torch.int8, torch.uint16, torch.uint32):
+        draft = lambda s, dtype=dtype: torch.full((len(s), K), 7, dtype=dtype)  # noqa: E731
+        assert torch.equal(graphs.generate(prompt, max_new_tokens=4, draft=draft), reference), dtype
+    draft = lambda s: np.full((len(s), K), 7, dtype=np.uint16)  # noqa: E731
+    assert torch.equal(graphs.generate(prompt, max_new_tokens=4, draft=draft), reference)
+    with pytest.raises(ValueError, match="out-of-vocabulary"):  # 2**63 turns negative in int64: still refused
+        graphs.generate(prompt, max_new_tokens=4, draft=lambda s: torch.full((len(s), K), 2**63, dtype=torch.uint64))
+    state, _ = graphs.prefill(prompt)
+    assert graphs.step(state, torch.full((2, K + 1), 7, dtype=torch.uint16)).shape[:2] == (2, K + 1)
 
 
 def test_sliding_window_limit_is_exact_and_announced():

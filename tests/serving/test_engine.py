@@ -935,6 +935,8 @@ def test_malformed_drafts_fail_clearly(setup):
     assert handle.finish_reason == "error" and engine.idle and setup.model._pins == {}
     with pytest.raises(ValueError, match="draft must be callable"):
         _engine(setup.model, num_speculative_tokens=2, draft=[1, 2])
+    with pytest.raises(ValueError, match="draft= needs num_speculative_tokens > 0"):  # was never called, silently
+        _engine(setup.model, draft=lambda handles, k: [[1] * k] * len(handles))
 
 
 def test_prompt_lookup_draft():
