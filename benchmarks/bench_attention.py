@@ -133,11 +133,17 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048])
     p.add_argument("--layers", type=int, default=4, help="calls (on separate caches) per captured graph")
-    p.add_argument("--bandwidth", type=float, default=4.3, help="HBM TB/s for the floor column")
+    p.add_argument("--bandwidth", type=float, default=None,
+                   help="HBM TB/s for the floor column (default: this GPU's copy rate)")
     p.add_argument("--md", help="write the table here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA device")
+    if args.bandwidth is None:
+        from moe_layer import copy_bandwidth
+
+        args.bandwidth = copy_bandwidth(torch.device("cuda")) / 1e12
+        print(f"# K/V floor at {args.bandwidth:.2f} TB/s (this GPU's copy rate)", flush=True)
     with torch.no_grad():
         rows = run(args)
     table = to_markdown(rows)
