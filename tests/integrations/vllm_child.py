@@ -63,7 +63,7 @@ if spec["format"] == "3d":
 
 llm = LLM(model=spec["model"], enable_lora=True, enable_mixed_moe_lora_format=mixed, max_loras=spec["max_loras"],
           max_lora_rank=8, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64,
-          max_num_seqs=4, seed=0, **extra)
+          max_num_seqs=4, seed=0, **extra, **spec.get("llm_kwargs", {}))
 ids = {name: i + 1 for i, name in enumerate(sorted(spec["adapters"]))}
 requests = {name: LoRARequest(name, ids[name], info["path"], is_3d_lora_weight=info["is_3d"])
             for name, info in spec["adapters"].items()}

@@ -111,8 +111,9 @@ def save_per_expert(d_path, path, r):
 
 
 def run_child(setup, *, plugin: bool, fmt: str, adapters, batches, max_loras: int, count_calls: bool,
-              dump: str | None = None):
-    """Run ``vllm_child.py`` once; returns (CompletedProcess, parsed RESULT or None)."""
+              dump: str | None = None, llm_kwargs: dict | None = None):
+    """Run ``vllm_child.py`` once; returns (CompletedProcess, parsed RESULT or None). ``llm_kwargs``: more
+    arguments of ``vllm.LLM``."""
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                XDG_CACHE_HOME=str(setup["root"] / "cache"), VLLM_CACHE_ROOT=str(setup["root"] / "cache" / "vllm"))
     env.pop("MOE_LORA_VLLM", None)
@@ -121,7 +122,7 @@ def run_child(setup, *, plugin: bool, fmt: str, adapters, batches, max_loras: in
         env["MOE_LORA_VLLM"] = "1"
     spec = dict(model=setup["model"], adapters={n: setup["adapters"][n] for n in adapters}, batches=batches,
                 prompts=PROMPTS, max_tokens=MAX_TOKENS, max_loras=max_loras, count_calls=count_calls, format=fmt,
-                dump=dump)
+                dump=dump, llm_kwargs=llm_kwargs or {})
     child = subprocess.run([sys.executable, CHILD, json.dumps(spec)], capture_output=True, text=True, env=env,
                            timeout=600)
     lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 def is_enabled(environ=None) -> bool:
     """True when ``MOE_LORA_VLLM`` is set to 1/true/yes/on, or ``VLLM_PLUGINS`` lists ``moe_lora_compile`` (as vLLM
-    reads it: split on commas, no spaces stripped; a name with spaces around it is logged); another
+    reads it: split on commas, no spaces stripped; a name with spaces around it is logged here, but vLLM itself
+    never loads a plugin so listed, so in a vLLM run nothing of ours is called); another
     word than those or 0/false/no/off is a ValueError naming the variable (a typo must not leave it off, silently),
     as for every on/off switch of :mod:`moe_lora_compile.settings`."""
     from ... import settings

