@@ -135,8 +135,9 @@ decode2)
 layer)
   # the layer benchmark's grids (issue 16): mixed ranks per model, the MXFP4 grid (GPT-OSS-20B, T 1-512, L 1/4/16,
   # R 16/64), then the full bf16 grid with every column (bench_fused_moe_lora.py's defaults)
-  step ranks 90 python3 benchmarks/bench_fused_moe_lora.py --mixed-ranks --json "$W/ranks.json" --md "$W/ranks.md"
-  step mxfp4_grid 200 python3 benchmarks/bench_fused_moe_lora.py --mxfp4 --json "$W/mxfp4_grid.json" \
+  step ranks "${RANKS_LIMIT:-110}" python3 benchmarks/bench_fused_moe_lora.py --mixed-ranks --json "$W/ranks.json" \
+    --md "$W/ranks.md"
+  step mxfp4_grid "${MXFP4_LIMIT:-200}" python3 benchmarks/bench_fused_moe_lora.py --mxfp4 --json "$W/mxfp4_grid.json" \
     --md "$W/mxfp4_grid.md"
   step grid "${GRID_LIMIT:-320}" python3 benchmarks/bench_fused_moe_lora.py ${GRID_ARGS:-} --json "$W/grid.json" \
     --md "$W/grid.md"
