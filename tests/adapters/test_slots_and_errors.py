@@ -651,10 +651,9 @@ def test_parsed_weights_are_checked_again_after_the_model_is_cast(adapters, tmp_
     assert slot == 0
 
 
-def test_a_cast_that_would_overflow_a_loaded_adapter_is_refused(adapters, tmp_path):
-    """lora_alpha / r is folded into B: B = 100 at scaling 1024 fits float32 (and float16 as PEFT stores it) but
-    not float16 once scaled. A float16 load refuses it; mm.half() after a float32 load made its slots Inf and its
-    rows' logits NaN, silently. The cast is now refused before anything converts; without the adapter it runs."""
+def _with_a_float16_overflowing_adapter(adapters, tmp_path):
+    """A float32 model with adapters "big" (B = 100 at lora_alpha / r = 1024: beyond float16 once scaled) and "x",
+    and a [2, 5] batch of ids."""
     base = adapters["base"]
     peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(FAMILY, r=4, lora_alpha=4096)).eval()
     with torch.no_grad():
@@ -662,10 +661,17 @@ def test_a_cast_that_would_overflow_a_loaded_adapter_is_refused(adapters, tmp_pa
             if ".lora_" in name:
                 p.fill_(100.0 if ".lora_B." in name else 1e-6)
     peft_model.save_pretrained(tmp_path)
-    mm = attach(copy.deepcopy(base), max_loras=2, max_rank=8)
+    mm = attach(copy.deepcopy(base), max_loras=3, max_rank=8)
     mm.load_adapter("big", tmp_path)
     mm.load_adapter("x", adapters["paths"]["x"])
-    x = torch.randint(3, base.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    return mm, torch.randint(3, base.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+def test_a_cast_that_would_overflow_a_loaded_adapter_is_refused(adapters, tmp_path):
+    """lora_alpha / r is folded into B: B = 100 at scaling 1024 fits float32 (and float16 as PEFT stores it) but
+    not float16 once scaled. A float16 load refuses it; mm.half() after a float32 load made its slots Inf and its
+    rows' logits NaN, silently. The cast is now refused before anything converts; without the adapter it runs."""
+    mm, x = _with_a_float16_overflowing_adapter(adapters, tmp_path)
     with torch.no_grad():
         before = mm(x, adapters=["big", "x"]).logits
         snapshot, ids = _all_buffers(mm)
@@ -686,17 +692,7 @@ def test_a_cast_outside_mm_that_overflowed_an_adapter_is_refused_at_use(adapters
     """mm.model.half() (or the user's own `model` after attach) casts without mm's check: the adapter whose scaled
     factors overflow float16 became Inf there and its rows' logits NaN, silently. Its next use is now a ValueError
     naming it; the other adapters and base rows run; a reload of the slot in range clears it."""
-    base = adapters["base"]
-    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config(FAMILY, r=4, lora_alpha=4096)).eval()
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if ".lora_" in name:
-                p.fill_(100.0 if ".lora_B." in name else 1e-6)
-    peft_model.save_pretrained(tmp_path)
-    mm = attach(copy.deepcopy(base), max_loras=3, max_rank=8)
-    mm.load_adapter("big", tmp_path)
-    mm.load_adapter("x", adapters["paths"]["x"])
-    x = torch.randint(3, base.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    mm, x = _with_a_float16_overflowing_adapter(adapters, tmp_path)
     with torch.no_grad():
         mm.model.half()  # bypasses mm._apply
         with pytest.raises(ValueError, match=r"adapter 'big' holds infinite factors.*cast outside mm"):
