@@ -117,6 +117,10 @@ class MultiLoRAModel(nn.Module):
         super().__setstate__(state)
         self.lock = threading.RLock()
         self._direct = threading.local()
+        # deepcopy / pickle copy a fused member's weight (Parameter.__deepcopy__ clones it) and, under pickle, its
+        # LoRA views each on its own: point them back at the copied fused buffers (same values), as _apply does
+        for leader in self.__dict__.get("_fused_leaders", ()):
+            point_fused_views(leader)
 
     # --- attaching -------------------------------------------------------------------------------------------
     def _attach_experts(self, use_ops: bool, fused_router: bool) -> dict[str, nn.Module]:

@@ -466,15 +466,24 @@ def test_gradient_checkpointing_in_training_is_refused(mm, adapters):
     torch.testing.assert_close(eval_grad[0].detach(), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fused_router", [False, True])
-def test_copies_and_pickles_of_an_attached_model_serve_alike(adapters, fused_router):
+@pytest.mark.parametrize("fused_router, fuse", [
+    (False, False),
+    (True, False),
+    (True, True),  # fused siblings: a copy's member weights / LoRA views were copies of their own, not views of
+                   # the copied fused buffers, and the copy refused every load / unload ("no longer alias")
+])
+def test_copies_and_pickles_of_an_attached_model_serve_alike(adapters, fused_router, fuse):
     """copy.deepcopy(mm), pickle and torch.save / torch.load give models that serve the same logits, with their
-    own lock and id buffers (they raised: a threading lock, and the fused routers' classes made at run time)."""
+    own lock and id buffers (they raised: a threading lock, and the fused routers' classes made at run time), and
+    that load and unload adapters."""
     import io
     import pickle
 
+    from moe_lora_compile.models.dense import fused_views_intact
+
     mm = attach(copy.deepcopy(adapters["base"]), max_loras=4, max_rank=8, use_ops=fused_router,
-                fused_router=fused_router)
+                fused_router=fused_router, fuse=fuse)
+    assert bool(mm.fused_groups) == fuse
     mm.load_adapter("x", adapters["paths"]["x"])
     assert bool(mm.fused_routers) == fused_router
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
@@ -485,9 +494,13 @@ def test_copies_and_pickles_of_an_attached_model_serve_alike(adapters, fused_rou
     buffer.seek(0)
     for copied in (copy.deepcopy(mm), pickle.loads(pickle.dumps(mm)), torch.load(buffer, weights_only=False)):
         assert copied.lock is not mm.lock and copied.token_lora_ids.data_ptr() != mm.token_lora_ids.data_ptr()
+        assert all(fused_views_intact(leader) for leader in copied._fused_leaders)
         with torch.no_grad():
             torch.testing.assert_close(copied(ids, adapters=["x", None]).logits, want, rtol=0, atol=0)
         copied.unload_adapter("x")  # the copy's slots are its own
+        copied.load_adapter("x2", adapters["paths"]["x"])
+        with torch.no_grad():
+            torch.testing.assert_close(copied(ids, adapters=["x2", None]).logits, want, rtol=0, atol=0)
     with torch.no_grad():
         torch.testing.assert_close(mm(ids, adapters=["x", None]).logits, want, rtol=0, atol=0)
 
