@@ -615,9 +615,12 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
     try:
-        return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
-                              use_ops=use_ops, target_modules=target_modules,
-                              fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups), fused_router=fused_router)
+        # the slot, id and fused buffers are written in place by every later load and forward: never inference
+        # tensors, even when attach runs under torch.inference_mode() (every load outside it failed then)
+        with torch.inference_mode(False):
+            return MultiLoRAModel(model, family, max_loras=max_loras, max_rank=max_rank, max_tokens=max_tokens,
+                                  use_ops=use_ops, target_modules=target_modules,
+                                  fuse=tuple(g for g in FUSIBLE_GROUPS if g in groups), fused_router=fused_router)
     except BaseException:  # refused (the checks run before any module is replaced): the model as it was
         for p in trainable:
             p.requires_grad_(True)

@@ -505,6 +505,25 @@ def test_copies_and_pickles_of_an_attached_model_serve_alike(adapters, fused_rou
         torch.testing.assert_close(mm(ids, adapters=["x", None]).logits, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_attach_under_inference_mode_loads_and_serves_outside_it(adapters, fuse):
+    """attach inside torch.inference_mode() made its slot buffers inference tensors: every later load_adapter
+    outside it failed ("Inplace update to inference tensor outside InferenceMode")."""
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    want = attach(copy.deepcopy(adapters["base"]), max_loras=2, max_rank=8, fuse=fuse)
+    want.load_adapter("x", adapters["paths"]["x"])
+    with torch.inference_mode():
+        mm = attach(copy.deepcopy(adapters["base"]), max_loras=2, max_rank=8, fuse=fuse)
+    mm.load_adapter("x", adapters["paths"]["x"])
+    with torch.no_grad():
+        torch.testing.assert_close(mm(ids, adapters=["x", None]).logits, want(ids, adapters=["x", None]).logits,
+                                   rtol=0, atol=0)
+    with torch.inference_mode():
+        mm.load_adapter("x", adapters["paths"]["x"], replace=True)
+        torch.testing.assert_close(mm(ids, adapters=["x", None]).logits, want(ids, adapters=["x", None]).logits,
+                                   rtol=0, atol=0)
+
+
 def test_attach_twice_is_an_error(mm):
     with pytest.raises(ValueError, match="already attached"):
         attach(mm.model)
