@@ -68,8 +68,10 @@ def check_decode_attention_args(query, key, value, mask, scaling, sinks) -> None
     if sinks is not None:
         torch._check_value(sinks.dim() == 1 and sinks.shape[0] == H,
                            lambda: f"sinks must be [H={H}] (one per query head), got {_shape(sinks)}")
-        if not sinks.dtype.is_floating_point or sinks.device != query.device:
-            raise ValueError(f"sinks must be a floating tensor on {query.device}, got {sinks.dtype} on {sinks.device}")
+        if not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must be a floating tensor, got {sinks.dtype}")
+        if sinks.device != query.device:
+            raise ValueError(f"sinks must be on {query.device} (query's device), got {sinks.device}")
 
 
 def decode_attention_reference(query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor], scaling: float,

@@ -27,6 +27,8 @@ reference under autograd; the router ``weight`` and ``bias`` are frozen.
 
 from __future__ import annotations
 
+import numbers
+
 from typing import Optional
 
 import torch
@@ -146,6 +148,8 @@ def route(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, top_
     """``torch.ops.moe_lora.route``: hidden [T, H], weight [E, H], bias [E] or None (hidden's dtype) ->
     (logits [T, E] in hidden's dtype, scores [T, top_k] in ``scores_dtype`` (default: logits dtype), ids [T, top_k]
     int64). ``scoring``: ``"topk_softmax"``, ``"softmax_topk"`` (with ``renormalize``) or ``"topk_sigmoid"``."""
-    if isinstance(top_k, bool):  # the op's int schema would read True as 1
+    # the op's int schema would read True as 1, and refuse a float with a raw RuntimeError
+    if isinstance(top_k, bool) or not isinstance(top_k, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"top_k must be an int, got {top_k!r}")
+    top_k = top_k if isinstance(top_k, torch.SymInt) else int(top_k)  # (a numpy int too)
     return torch.ops.moe_lora.route(hidden, weight, bias, top_k, scoring, renormalize, scores_dtype)

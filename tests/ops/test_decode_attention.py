@@ -194,6 +194,13 @@ def test_bad_arguments(change, match):
         decode_attention(args["q"], args["k"], args["v"], args["mask"], scaling=0.35, sinks=args["s"])
 
 
+def test_integer_sinks_are_a_type_error():
+    """A wrong dtype is a TypeError, as for every other argument (integer sinks were a ValueError)."""
+    q, k, v, mask, _ = make_case(2, 4, 2, 1, 8, 20, positions=[5, 12], sinks=True)
+    with pytest.raises(TypeError, match="sinks must be a floating tensor, got torch.int32"):
+        decode_attention(q, k, v, mask, scaling=0.35, sinks=torch.zeros(4, dtype=torch.int32))
+
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 GPU_GEOMETRIES = [  # (H, Hkv, D, window, sinks): GPT-OSS-20B full / sliding layers, Qwen3-30B-A3B
     pytest.param((64, 8, 64, None, True), id="gptoss-full"),

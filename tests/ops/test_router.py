@@ -246,6 +246,12 @@ def test_route_refuses_a_bool_top_k():
     from moe_lora_compile.ops import route
     with pytest.raises(TypeError, match="top_k must be an int, got True"):
         route(torch.zeros(2, 16), torch.zeros(6, 16), top_k=True, scoring="topk_softmax")
+    with pytest.raises(TypeError, match="top_k must be an int, got 2.0"):  # was the schema's raw RuntimeError
+        route(torch.zeros(2, 16), torch.zeros(6, 16), top_k=2.0, scoring="topk_softmax")
+    import numpy as np
+
+    ids = route(torch.randn(2, 16), torch.randn(6, 16), top_k=np.int64(2), scoring="topk_softmax")[2]
+    assert ids.shape == (2, 2)
 
 
 MOE_FAMILIES = ["qwen3_moe", "qwen2_moe", "gpt_oss", "mixtral", "olmoe", "llama4"]
