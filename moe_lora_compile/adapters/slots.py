@@ -219,19 +219,17 @@ class AdapterSlots:
         adapters loaded before the cast (they are scaled: ``lora_alpha / r`` is folded into B)."""
         if not self._slot_of:
             return None
-        for module_name, module, buffers in [*((n, m, _EXPERTS_BUFFERS) for n, m in self.experts_modules.items()),
-                                             *((n, m, _LINEAR_BUFFERS) for n, m in self.linear_modules.items())]:
-            for buffer in buffers:
-                t = getattr(module, buffer)
-                new = fn(t.new_empty(0)).dtype
-                if not new.is_floating_point or torch.finfo(new).max >= torch.finfo(t.dtype).max:
-                    continue
-                for name, slot in sorted(self._slot_of.items(), key=lambda item: item[1]):
-                    if not torch.isfinite(t[slot].to(new)).all():
-                        return (f"adapter {name!r}: {module_name!r} {buffer} holds values up to "
-                                f"{t[slot].abs().max().item():.3g} (lora_alpha / r included), beyond {new}'s max "
-                                f"{torch.finfo(new).max:.3g}; a load in {new} refuses it the same way (unload it "
-                                f"first, or keep this dtype)")
+        for module_name, module, buffer in self._buffers():
+            t = getattr(module, buffer)
+            new = fn(t.new_empty(0)).dtype
+            if not new.is_floating_point or torch.finfo(new).max >= torch.finfo(t.dtype).max:
+                continue
+            for name, slot in sorted(self._slot_of.items(), key=lambda item: item[1]):
+                if not torch.isfinite(t[slot].to(new)).all():
+                    return (f"adapter {name!r}: {module_name!r} {buffer} holds values up to "
+                            f"{t[slot].abs().max().item():.3g} (lora_alpha / r included), beyond {new}'s max "
+                            f"{torch.finfo(new).max:.3g}; a load in {new} refuses it the same way (unload it "
+                            f"first, or keep this dtype)")
         return None
 
     def _buffers(self):
@@ -251,7 +249,7 @@ class AdapterSlots:
     @torch.no_grad()
     def nonfinite(self) -> dict[str, tuple[int, int, str]]:
         """``{adapter name: (slot, its write counter, where)}`` for the loaded adapters whose slots hold Inf / NaN
-        (a host sync per buffer): a load never writes such values, so only a cast that bypassed
+        (a host sync per buffer and adapter): a load never writes such values, so only a cast that bypassed
         :meth:`overflow_under` did; a later write of the slot (a reload) makes the entry stale."""
         found: dict[str, tuple[int, int, str]] = {}
         for module_name, module, buffer in self._buffers():
