@@ -241,7 +241,8 @@ class ServingEngine:
         self._prefilling: list[_Live] = []
         self._running: dict[int, _Live] = {}
         self._free_rows = list(range(max_rows))
-        self._bypassed = 0  # requests admitted past the oldest waiting one while it found no slot
+        self._blocked: Optional[RequestHandle] = None  # the oldest waiting request that found no slot (_admit)
+        self._bypassed = 0  # requests that need a slot admitted past it since
         self._stalled = False  # the last step left requests waiting and none live (see STALL_WAIT_S)
         self._next_id = 0
         self._thread: Optional[threading.Thread] = None
@@ -487,7 +488,12 @@ class ServingEngine:
             self._retire(live, "cancelled")
 
     def _admit(self) -> None:
-        blocked = None  # the oldest waiting request that found no slot this step
+        # the oldest waiting request that found no slot: remembered across steps (a step whose rows run out before
+        # reaching it cannot tell whether it still finds none), forgotten once it leaves the queue
+        blocked = self._blocked if self._blocked is not None and self._blocked in self._waiting else None
+        if blocked is None:
+            self._bypassed = 0
+        passed = False  # the loop is past the blocked request: admitting a later one that needs a slot overtakes it
         group = self._group()
         for handle in list(self._waiting):
             if not self._free_rows:
@@ -495,8 +501,9 @@ class ServingEngine:
             adapter = handle.request.adapter
             if group is not _ANY and adapter != group:
                 continue
+            passed = passed or handle is blocked
             needs_slot = adapter is not None and self.store is not None and adapter in self.store
-            if blocked is not None and needs_slot and self._bypassed >= self.max_bypass:
+            if passed and handle is not blocked and needs_slot and self._bypassed >= self.max_bypass:
                 continue
             try:
                 slot, held = self._acquire(adapter)
@@ -507,26 +514,32 @@ class ServingEngine:
                     # no live request holds a slot (they are taken by adapters loaded into mm directly): none will
                     # ever be freed by this engine, so waiting would never end (live requests without a slot,
                     # e.g. of the base model, free none either)
-                    self._waiting.remove(handle)
-                    handle.error = error
-                    self._finish_handle(handle, "error")
+                    self._fail_waiting(handle, error)
+                    if handle is blocked:
+                        blocked, passed, self._bypassed = None, False, 0
                     continue
                 if blocked is None:
-                    blocked = handle
+                    blocked, passed = handle, True
                 continue
             except Exception as error:  # the adapter failed to load: this request fails, nothing else changes
-                self._waiting.remove(handle)
-                handle.error = error
-                self._finish_handle(handle, "error")
+                self._fail_waiting(handle, error)
+                if handle is blocked:
+                    blocked, passed, self._bypassed = None, False, 0
                 continue
             self._waiting.remove(handle)
-            if blocked is not None and needs_slot:
+            if handle is blocked:  # served: the requests after it overtake nobody until another one is blocked
+                blocked, passed, self._bypassed = None, False, 0
+            elif passed and needs_slot:
                 self._bypassed += 1
             self._prefilling.append(_Live(handle, self._free_rows.pop(0), slot, held))
             if group is not _ANY:
                 group = adapter
-        if blocked is None:
-            self._bypassed = 0
+        self._blocked = blocked
+
+    def _fail_waiting(self, handle: RequestHandle, error: Exception) -> None:
+        self._waiting.remove(handle)
+        handle.error = error
+        self._finish_handle(handle, "error")
 
     def _group(self):
         """The adapter allowed in under ``schedule="grouped"`` (``_ANY`` under ``"mixed"``)."""

@@ -610,6 +610,36 @@ def test_a_request_waiting_on_a_slot_held_elsewhere_does_not_spin(setup):
     assert 1 <= stalled_calls <= 200, stalled_calls  # ~50 at STALL_WAIT_S = 10 ms
 
 
+@pytest.mark.parametrize("max_bypass", [0, 1, 2])
+def test_at_most_max_bypass_requests_overtake_one_waiting_for_a_slot(setup, max_bypass):
+    """One slot, two rows: request 1 (a0, long) holds the slot, request 2 (a1) finds none and waits, and requests
+    3.. (a0) keep coming. At most ``max_bypass`` of them start before request 2, although every row is busy on most
+    steps (the count used to restart whenever the rows ran out before the waiting request was reached: all eight
+    overtook it at max_bypass=1). Every request's tokens still equal it alone."""
+    weights = {"a0": random_adapter(setup.model, 1), "a1": random_adapter(setup.model, 2)}
+    resident = attach(copy.deepcopy(setup.base), max_loras=2, max_rank=8)
+    mm = attach(copy.deepcopy(setup.base), max_loras=1, max_rank=8)
+    store = AdapterStore(mm)
+    for name, w in weights.items():
+        resident.load_adapter_weights(name, w)
+        store.register(name, w)
+    engine = _engine(mm, store=store, max_rows=2, max_bypass=max_bypass)
+    started = []
+
+    def on_token(handle, token):
+        if len(handle.tokens) == 1:
+            started.append(handle.id)
+
+    adapters = ["a0", "a1"] + ["a0"] * 6
+    requests = [Request(setup.prompts[i % len(setup.prompts)], adapter=a, max_new_tokens=12 if i == 0 else 3,
+                        eos_token_ids=(), on_token=on_token) for i, a in enumerate(adapters)]
+    handles = engine.generate_many(requests)
+    ids = [h.id for h in handles]
+    assert started.index(ids[1]) == 1 + max_bypass, (started, ids)
+    for h, r in zip(handles[:3], requests[:3]):
+        assert h.tokens == alone(resident, list(r.prompt_ids), r.adapter, r.max_new_tokens, eos=[])
+
+
 def test_a_hold_released_during_a_failed_acquire_is_waited_for(setup):
     """The slot's holder releases it right after the request's acquire failed: the engine decides from the holders
     the failed acquire saw (NoFreeSlot.held), so the request waits a step and is served. It read store.in_use
