@@ -85,7 +85,8 @@ class Request:
 
     ``prompt_ids``: token ids (a list or a 1-D tensor); ``adapter``: a name (in the engine's store, or loaded into the
     model directly) or None for the base model; ``max_new_tokens``; sampling: ``temperature`` (0 = greedy),
-    ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed`` (None: drawn from torch's default generator at submit);
+    ``top_p`` (1 = off), ``top_k`` (0 = off), ``seed`` (None: drawn from torch's default generator at submit, when
+    ``temperature > 0``);
     stopping: ``eos_token_ids`` (None: the model's generation config; ``()``: none), ``stop`` (token sequences; the
     request ends after the first one it generates, which stays in its tokens), and ``max_new_tokens``;
     ``on_token(handle, token)``: called from the engine's thread for every new token, holding the engine's lock
@@ -334,7 +335,10 @@ class ServingEngine:
         if r.on_token is not None and not callable(r.on_token):
             raise ValueError(f"on_token must be callable, got {r.on_token!r}")
         self._check_adapter(r.adapter)
-        seed = int(torch.randint(0, 2**62, ())) if r.seed is None else int(r.seed)
+        if r.seed is not None:
+            seed = int(r.seed)
+        else:  # greedy requests draw none: submitting one does not move the user's random stream
+            seed = 0 if temperature == 0 else int(torch.randint(0, 2**62, ()))
         eos = frozenset(int(t) for t in eos)
         # the handle keeps a copy of what was checked: a Request object changed or submitted again later cannot
         # change this request (its adapter pin, its length against the cache, its sampling)

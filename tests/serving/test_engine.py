@@ -143,6 +143,24 @@ def test_sampling_is_reproducible_with_a_seed(setup):
     assert solo != greedy  # the draw is not the greedy continuation (temperature 1.5 on a random model)
 
 
+def test_seed_none_draws_from_torch_only_for_sampled_requests(setup):
+    """seed=None: a sampled request takes its seed from torch's default generator (so torch.manual_seed makes the
+    run reproducible, as in transformers), a greedy one draws nothing (the user's random stream does not move)."""
+    engine = _engine(setup.model)
+    p = setup.prompts[0]
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    engine.submit(p, max_new_tokens=2)
+    assert torch.equal(torch.rand(3), want)
+    hot = dict(max_new_tokens=6, temperature=1.5, eos_token_ids=())
+    torch.manual_seed(5)
+    first = engine.submit(p, **hot)
+    torch.manual_seed(5)
+    second = engine.submit(p, **hot)
+    assert first.result() == second.result()
+
+
 def test_streaming_callbacks_and_background_thread(setup):
     """A handle streams its tokens (iterating drives the engine); on_token sees the same tokens in order; with the
     engine's own thread, requests submitted from other threads finish and result() waits for them."""
