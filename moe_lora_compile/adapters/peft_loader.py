@@ -124,6 +124,30 @@ class AdapterConfig:
     # what the config says it adapts (PEFT suffix semantics): a list's entries, or None for a regex / "all-linear"
     target_modules: Optional[tuple[str, ...]] = None
     target_parameters: tuple[str, ...] = ()  # 3-D expert parameters, e.g. "mlp.experts.gate_up_proj"
+    # PEFT's further limits on target_modules (not on target_parameters): layer indices (None: every layer), the
+    # names before a layer index, excluded modules (a regex, or names matched as suffixes); read for the check that
+    # every module the config adapts has its weights (_warn_untouched_targets)
+    layers_to_transform: Optional[tuple[int, ...]] = None
+    layers_pattern: tuple[str, ...] = ()
+    exclude_modules: Union[None, str, tuple[str, ...]] = None
+
+    def adapts(self, module: str) -> bool:
+        """Whether PEFT adapts the base's module ``module`` (a full name) through the listed ``target_modules``:
+        its suffix rule, ``exclude_modules``, ``layers_to_transform`` / ``layers_pattern`` (the first numbered
+        name part after ``layers_pattern``, or after any name when it is empty, is the layer index)."""
+        if isinstance(self.exclude_modules, str):
+            if re.fullmatch(self.exclude_modules, module):
+                return False
+        elif self.exclude_modules and any(_suffix_match(module, e) for e in self.exclude_modules):
+            return False
+        if not self.target_modules or not any(_suffix_match(module, t) for t in self.target_modules):
+            return False
+        if self.layers_to_transform is None:
+            return True
+        regexes = ([rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\." for p in self.layers_pattern] if self.layers_pattern
+                   else [r".*?\.[^.]*\.(?P<idx>\d+)\."])
+        match = next((m for m in (re.match(r, module) for r in regexes) if m is not None), None)
+        return match is not None and int(match["idx"]) in self.layers_to_transform
 
     def _pattern_value(self, patterns: dict, name: str, default):
         # PEFT semantics: a pattern matches a module name when it matches a dot-separated suffix of it.
@@ -289,6 +313,7 @@ def _read_adapter_config(path: str) -> AdapterConfig:
         raise _config_error(f"peft_version must be a string, got {peft_version!r}")
     model_type, source = _recorded_model_type(raw)
     return AdapterConfig(
+        **_target_limits(raw),
         target_modules=_names("target_modules", raw.get("target_modules"), regex_ok=True),
         target_parameters=_names("target_parameters", raw.get("target_parameters"), regex_ok=False) or (),
         r=_positive_int("r", raw["r"]),
@@ -298,6 +323,52 @@ def _read_adapter_config(path: str) -> AdapterConfig:
         alpha_pattern=_patterns("alpha_pattern", raw, _finite_number),
         peft_version=peft_version, base_model_type=model_type, base_model_source=source,
     )
+
+
+def _target_limits(raw: dict) -> dict:
+    """``layers_to_transform`` / ``layers_pattern`` / ``exclude_modules`` as :class:`AdapterConfig` holds them.
+    They only decide which modules must have weights: a value of another type than PEFT writes leaves the limit
+    unknown, read as "adapts nothing", so no module is reported missing (the weights are what is served)."""
+    layers, pattern, exclude = (raw.get(k) for k in ("layers_to_transform", "layers_pattern", "exclude_modules"))
+
+    def ints(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def strs(v):
+        return isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v)
+
+    unknown = {"layers_to_transform": ()}
+    if layers is None or layers == []:  # PEFT: an empty list limits nothing
+        layers = None
+    elif ints(layers):
+        layers = (layers,)
+    elif isinstance(layers, (list, tuple)) and all(ints(i) for i in layers):
+        layers = tuple(layers)
+    else:
+        return unknown
+    if pattern is None or pattern == "":
+        pattern = ()
+    elif isinstance(pattern, str):
+        pattern = (pattern,)
+    elif strs(pattern):
+        pattern = tuple(pattern)
+    else:
+        return unknown
+    if exclude is not None and not isinstance(exclude, str):
+        if not strs(exclude):
+            return unknown
+        exclude = tuple(exclude)
+    if isinstance(exclude, str):
+        try:
+            re.compile(exclude)
+        except re.error:
+            return unknown
+    for p in pattern:
+        try:
+            re.compile(p)
+        except re.error:
+            return unknown
+    return {"layers_to_transform": layers, "layers_pattern": pattern, "exclude_modules": exclude}
 
 
 def read_adapter_weights(path: str, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
@@ -533,32 +604,36 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
 
 def _warn_untouched_targets(config: AdapterConfig, result: dict[str, ModuleLoRA], experts_targets, linear_targets
                             ) -> None:
-    """Warn when the config lists a target that exists in this base model but the weights hold no LoRA pair for any
-    module it names (an incomplete file: those modules would run without the adapter's delta, as PEFT's
-    "missing adapter keys" warning says). Targets this base does not have are not named: PEFT skips them too."""
+    """Warn when the config adapts a module of this base model (PEFT's matching: :meth:`AdapterConfig.adapts` for
+    ``target_modules``, suffixes for ``target_parameters``) but the weights hold no LoRA pair for it: those modules
+    would run without the adapter's delta (PEFT's "missing adapter keys" warning), e.g. an incomplete file or an
+    adapter saved from a model with fewer layers. Targets this base does not have are not named: PEFT skips them."""
     factor_of = {"gate_up_proj": "a13", "down_proj": "a2"}
     experts = {n: lora for n, lora in result.items() if isinstance(lora, ExpertsLoRA)}
     missing = []
     for t in config.target_modules or ():
-        if any(_suffix_match(n, t) for n in linear_targets):
-            if not any(_suffix_match(n, t) for n, lora in result.items() if isinstance(lora, LinearLoRA)):
-                missing.append(t)
+        matched = [n for n in linear_targets if _suffix_match(n, t)]
+        if matched:
+            missing += [n for n in matched if config.adapts(n) and not isinstance(result.get(n), LinearLoRA)]
             continue
-        leaf = t.rpartition(".")[2]  # a per-expert projection (gate_proj, w1, ...) of experts of this base
-        names = next((target.per_expert_names for target in experts_targets.values()
-                      if leaf in target.per_expert_names), None)
+        # a per-expert projection (gate_proj, w1, ...) of experts of this base, named by a path that can reach one
+        leaf = t.rpartition(".")[2]
+        names = next((target.per_expert_names for name, target in experts_targets.items()
+                      if leaf in target.per_expert_names
+                      and any(_suffix_match(f"{name}.{e}.{leaf}", t) for e in range(target.num_experts))), None)
         if names is not None:
             factor = "a2" if leaf == names[2] else "a13"
             if not any(getattr(lora, factor) is not None for lora in experts.values()):
                 missing.append(t)
     for t in config.target_parameters:
-        params = [p for p in factor_of if any(_suffix_match(f"{n}.{p}", t) for n in experts_targets)]
-        if params and not any(getattr(lora, factor_of[p]) is not None for p in params
-                              for n, lora in experts.items() if _suffix_match(f"{n}.{p}", t)):
-            missing.append(t)
+        missing += [f"{n}.{p}" for n in experts_targets for p, factor in factor_of.items()
+                    if _suffix_match(f"{n}.{p}", t) and getattr(experts.get(n), factor, None) is None]
     if missing:
-        warnings.warn(f"adapter_config.json targets {missing}, but {WEIGHTS_NAME} holds no LoRA weights for them: "
-                      f"those modules run without this adapter's delta (an incomplete file?)", stacklevel=4)
+        missing = sorted(set(missing))
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        warnings.warn(f"adapter_config.json adapts {len(missing)} module(s) of this base model that "
+                      f"{WEIGHTS_NAME} holds no LoRA weights for ({shown}): they run without this adapter's delta "
+                      f"(an incomplete file, or an adapter saved from a model with fewer layers?)", stacklevel=4)
 
 
 def _summary(experts_targets, linear_targets) -> str:

@@ -570,13 +570,83 @@ def test_weights_missing_a_configured_target_warn(adapters, tmp_path):
     path = _copy_with(adapters["paths"]["x"], tmp_path / "no_experts",
                       lambda t: {k: v for k, v in t.items() if ".experts." not in k})
     mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
-    with pytest.warns(UserWarning, match=r"targets \[.*\], but adapter_model.safetensors holds no LoRA weights "
-                                         r"for them") as caught:
+    with pytest.warns(UserWarning, match=r"adapts 4 module\(s\) of this base model that "
+                                         r"adapter_model.safetensors holds no LoRA weights for") as caught:
         mm.load_adapter("z", path)
     message = str(caught[0].message)
-    assert "'mlp.experts.gate_up_proj'" in message and "'mlp.experts.down_proj'" in message  # PEFT's order varies
+    for layer in (0, 1):
+        assert f"model.layers.{layer}.mlp.experts.gate_up_proj" in message
+        assert f"model.layers.{layer}.mlp.experts.down_proj" in message
     assert "q_proj" not in message
     assert mm.adapters == {"z": 0}
+
+
+def _lora_module_names(peft_model) -> set:
+    """The base-model names of the modules / parameters PEFT put a LoRA on (3-D expert parameters as
+    ``<experts>.<parameter>``)."""
+    names = set()
+    for key in peft_model.state_dict():
+        if ".lora_A." in key:
+            name = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+            if name.endswith(".experts.base_layer"):  # gate_up: the inner ParamWrapper
+                names.add(name.removesuffix(".base_layer") + ".gate_up_proj")
+            elif name.endswith(".experts"):
+                names.add(name + ".down_proj")
+            else:
+                names.add(name)
+    return names
+
+
+def test_adapter_of_a_shallower_model_warns_naming_every_module_it_misses(adapters, tmp_path):
+    """An adapter saved from a 1-layer model loads into the 2-layer base (its layer 0 is valid), but warns naming
+    exactly the modules of layer 1 that PEFT adapts and the file lacks (before: silent, layer 1 ran without the
+    adapter). PEFT itself warns of the same missing keys; the reference names are those PEFT adapts on the base."""
+    import warnings
+
+    shallow = AutoModelForCausalLM.from_config(tiny_config(FAMILY, num_hidden_layers=1)).eval()
+    peft_model = get_peft_model(shallow, tiny_lora_config(FAMILY)).eval()
+    randomize_lora_(peft_model, seed=3)
+    peft_model.save_pretrained(tmp_path / "shallow")
+    want = {n for n in _lora_module_names(adapters["peft"]["x"]) if ".layers.1." in n}
+    assert want and all(".layers.1." in n for n in want)
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
+    with pytest.warns(UserWarning, match=rf"adapts {len(want)} module\(s\) .* holds no LoRA weights") as caught:
+        mm.load_adapter("z", tmp_path / "shallow")
+    message = str(next(w.message for w in caught if "holds no LoRA" in str(w.message)))
+    named = set(message.split("(", 2)[2].split(")")[0].split(", "))
+    assert named == want
+    from peft import PeftModel
+    with warnings.catch_warnings(record=True) as peft_caught:
+        warnings.simplefilter("always")
+        PeftModel.from_pretrained(copy.deepcopy(adapters["base"]), tmp_path / "shallow")
+    assert any("missing adapter keys" in str(w.message) and ".layers.1." in str(w.message) for w in peft_caught)
+
+
+@pytest.mark.parametrize("limits", [
+    dict(layers_to_transform=[1]),  # one layer of the attention (PEFT keeps the experts of every layer)
+    dict(layers_to_transform=0, layers_pattern="layers"),  # an int, with the name before the index
+    dict(exclude_modules=["o_proj"]),  # excluded by suffix
+    dict(exclude_modules=r".*layers\.0\.self_attn\.v_proj"),  # excluded by a regex
+    # a per-expert projection's name under a path this base lacks (DeepSeek's shared experts): PEFT skips it
+    dict(target_modules=["q_proj", "shared_experts.up_proj"], target_parameters=None),
+], ids=["layers_to_transform", "layers_pattern", "exclude_list", "exclude_regex", "foreign_target"])
+def test_peft_target_limits_warn_of_nothing_and_equal_peft(adapters, tmp_path, limits):
+    """Adapters that PEFT limits to some modules (layers_to_transform / layers_pattern / exclude_modules, targets
+    this base lacks) have weights for exactly those: they load without a warning (exclude_list and foreign_target
+    used to warn of an incomplete file), and their logits equal PEFT's."""
+    import warnings
+
+    peft_model = get_peft_model(copy.deepcopy(adapters["base"]), tiny_lora_config(FAMILY, **limits)).eval()
+    randomize_lora_(peft_model, seed=4)
+    peft_model.save_pretrained(tmp_path / "limited")
+    assert len(_lora_module_names(peft_model)) < len(_lora_module_names(adapters["peft"]["x"]))
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.load_adapter("z", tmp_path / "limited")
+    x = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(mm(x, adapters=["z", "z"]).logits, peft_model(x).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_own_family_does_not_warn(adapters):
