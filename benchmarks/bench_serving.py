@@ -409,7 +409,9 @@ def _seed(text: str) -> int:
 def parser(prog=None) -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, choices=list(DECODE_MODELS), help="default gpt-oss-20b")
-    p.add_argument("--tiny", action="store_true", help="tiny GPT-OSS on the CPU, small workload (a smoke test)")
+    p.add_argument("--tiny", action="store_true",
+                   help="tiny GPT-OSS on the CPU, small workload (a smoke test); its defaults: "
+                        + " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in TINY.items()))
     p.add_argument("--requests", type=POSITIVE, default=32,
                    help="requests per run; a run lasts ~requests / rate + the last requests' decode (scale to fit)")
     p.add_argument("--prompt", type=POSITIVE, default=1600, help="mean prompt tokens")

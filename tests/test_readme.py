@@ -4,7 +4,6 @@ What the test supplies, and the one substitution it makes (nothing else in a blo
 
 - the working directory is a temp folder holding PEFT adapter folders ``adapters/sql``, ``adapters/chat`` and
   ``adapters/sql-v2`` (made with PEFT's API for the tiny model, ranks 4, 8, 4);
-- ``input_ids``: a ``[3, 6]`` tensor of token ids (the README's blocks use it without defining it);
 - substitution: ``from_pretrained("<hub name>", ...)`` with a name that is not a local folder (the README says
   ``Qwen/Qwen3-30B-A3B``) loads a tiny random Qwen3-MoE saved in the temp folder instead (same family, same call).
 
@@ -66,8 +65,7 @@ def readme_world(tmp_path, monkeypatch):
         randomize_lora_(peft_model, seed=seed)
         peft_model.save_pretrained(tmp_path / "adapters" / name)
     monkeypatch.chdir(tmp_path)
-    input_ids = torch.randint(3, 128, (3, 6), generator=torch.Generator().manual_seed(0))
-    return dict(__name__="readme", input_ids=input_ids), str(tiny_folder)
+    return dict(__name__="readme"), str(tiny_folder)
 
 
 def _substitute_hub_names(code: str, tiny_folder: str) -> str:
@@ -106,4 +104,4 @@ def test_readme_python_blocks_run_in_order(readme_world):
     dump = outputs["Compiling: the pass"]
     assert "fused ops: none" not in dump and "fused_moe_lora x2" in dump and "lora_linear x" in dump, dump
     out = namespace["out"]
-    assert out.shape == (3, 6 + 32)
+    assert out.shape == (3, namespace["input_ids"].shape[1] + 32)

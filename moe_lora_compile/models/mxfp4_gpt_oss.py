@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn as nn
@@ -207,7 +207,7 @@ def build_mxfp4_gpt_oss(config, *, dtype: torch.dtype = torch.bfloat16, device=N
     return model.eval().requires_grad_(False)
 
 
-def load_mxfp4_gpt_oss(path: str, *, dtype: torch.dtype = torch.bfloat16, device=None) -> nn.Module:
+def load_mxfp4_gpt_oss(path: str, *, dtype: Union[torch.dtype, str] = torch.bfloat16, device=None) -> nn.Module:
     """GPT-OSS from an MXFP4 checkpoint folder (``config.json`` + ``*.safetensors``: a download of openai/gpt-oss-20b
     or -120b, or what ``save_pretrained`` of :func:`build_mxfp4_gpt_oss` writes) with its experts kept in MXFP4:
     :class:`GptOssMxfp4Experts` get the stored blocks and scales as they are, every other tensor is cast to

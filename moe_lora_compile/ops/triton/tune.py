@@ -168,9 +168,11 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig 
 
 def main(argv=None):
     p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, choices=sorted(MODELS))
-    p.add_argument("--tokens", nargs="+", type=positive_int, default=[1, 8, 32, 128, 512, 2048])
-    p.add_argument("--ranks", nargs="+", type=positive_int, default=[16, 64])
+    p.add_argument("--model", required=True, choices=sorted(MODELS), help="the model geometry to tune for")
+    p.add_argument("--tokens", nargs="+", type=positive_int, default=[1, 8, 32, 128, 512, 2048], metavar="T",
+                   help="token counts (default 1 8 32 128 512 2048)")
+    p.add_argument("--ranks", nargs="+", type=positive_int, default=[16, 64], metavar="R",
+                   help="LoRA ranks (default 16 64)")
     p.add_argument("--out", help="JSON file to merge into (default: the package's file for this GPU)")
     p.add_argument("--start", choices=("default", "shipped"), default="default",
                    help="start from the heuristic config, or from the entry already in the file for this T")
@@ -181,7 +183,7 @@ def main(argv=None):
                    help="tune the MXFP4-expert path (fused_moe_lora_mxfp4; entries under the ',W=mxfp4' shape key)")
     p.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
                    help="time for the whole run: each (T, R) gets an equal share of what is left and keeps its best "
-                        "config so far when it is spent")
+                        "config so far when it is spent (default: no limit)")
     a = p.parse_args(argv)
     if a.budget_s is not None and not a.budget_s > 0:
         p.error(f"--budget-s must be > 0, got {a.budget_s}")
