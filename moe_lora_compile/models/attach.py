@@ -451,8 +451,6 @@ class MultiLoRAModel(nn.Module):
         if direct:  # wait for a call running in another thread; run without its adapters (released after the run)
             self.lock.acquire()
             self._direct.depth = getattr(self._direct, "depth", 0) + 1
-        if self._manual_ids:
-            return
         if torch.is_grad_enabled() and self.model.training and any(
                 getattr(m, "gradient_checkpointing", False) is True for m in self.model.modules()):
             # the ids live in buffers every forward overwrites: a checkpointed layer recomputed in backward() after
@@ -461,6 +459,8 @@ class MultiLoRAModel(nn.Module):
                                "training mode with grad enabled: not supported, the recomputed layers would read a "
                                "later forward's adapter ids; disable it (model.gradient_checkpointing_disable()), or "
                                "run under torch.no_grad() / mm.eval()")
+        if self._manual_ids:  # (after the check: manual ids are rewritten in place between forwards too)
+            return
         tokens = kwargs.get("inputs_embeds")
         if tokens is None:
             tokens = kwargs.get("input_ids", args[0] if args else None)

@@ -456,6 +456,10 @@ def test_gradient_checkpointing_in_training_is_refused(mm, adapters):
     mm.train()
     with pytest.raises(RuntimeError, match="gradient checkpointing is on"):
         mm(ids, adapters=["x", None])
+    with mm.manual_token_lora_ids():  # ids written by the caller are rewritten in place as well (was not refused)
+        mm.set_token_lora_ids(["x", None], seq_len=5)
+        with pytest.raises(RuntimeError, match="gradient checkpointing is on"):
+            mm.model(ids)
     with torch.no_grad():
         train_no_grad = mm(ids, adapters=["x", None]).logits
     mm.eval()
