@@ -14,6 +14,20 @@ def frozen_input_error(op: str, name: str) -> ValueError:
     )
 
 
+def save_for_backward(ctx, op: str, inputs, core_args: tuple, frozen_positions: tuple) -> None:
+    """An op's ``setup_context``: refuse frozen base weights that require grad, then save every input for the
+    backward, ``token_lora_ids`` as a copy: it is usually a view of ``MultiLoRAModel``'s id buffer, which every
+    forward rewrites in place, so a second forward before ``backward()`` (a reference pass, two summed losses)
+    would otherwise make autograd refuse the saved view (int32 ``[T]``: a few bytes a token)."""
+    for pos in frozen_positions:
+        if inputs[pos] is not None and inputs[pos].requires_grad:
+            raise frozen_input_error(op, core_args[pos])
+    inputs = list(inputs)
+    ids = core_args.index("token_lora_ids")
+    inputs[ids] = inputs[ids].clone()
+    ctx.save_for_backward(*inputs)
+
+
 @contextlib.contextmanager
 def _autograd_enabled():
     """Re-enable autograd inside a custom op's backend impl, which runs with the Autograd dispatch keys excluded."""

@@ -27,7 +27,7 @@ from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_l
                        check_lora_ranks, check_out_arg, check_out_writable, check_rank_values)
 from .layout import CONCAT
 from .reference import fused_moe_lora_reference
-from .autograd import frozen_input_error, recompute_grads_by_slot
+from .autograd import recompute_grads_by_slot, save_for_backward
 
 CORE_ARGS = ("x", "topk_ids", "topk_weights", "token_lora_ids", "w13", "w2",
              "lora_a13", "lora_b13", "lora_a2", "lora_b2", "w13_bias", "w2_bias", "lora_ranks")
@@ -146,10 +146,7 @@ def _fused_moe_lora_backward_fake(grad_y, *args, **kwargs):
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    for pos in _FROZEN_POSITIONS:
-        if inputs[pos] is not None and inputs[pos].requires_grad:
-            raise frozen_input_error("fused_moe_lora", CORE_ARGS[pos])
-    ctx.save_for_backward(*inputs)
+    save_for_backward(ctx, "fused_moe_lora", inputs, CORE_ARGS, _FROZEN_POSITIONS)
     ctx.kw = keyword_only_inputs
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from . import cuda_impl
-from .autograd import frozen_input_error, recompute_grads_by_slot
+from .autograd import recompute_grads_by_slot, save_for_backward
 from .contract import (GPTOSS_ALPHA, GPTOSS_LIMIT, NO_ADAPTER, check_fused_moe_lora_mxfp4_args,
                        check_index_values, check_lora_ranks, check_rank_values)
 from .layout import TRANSPOSED_INTERLEAVED
@@ -153,10 +153,7 @@ def _fused_moe_lora_mxfp4_backward_fake(grad_y, *args, **kwargs):
 
 
 def _setup_context(ctx, inputs, keyword_only_inputs, output):
-    for pos in _FROZEN_POSITIONS:
-        if inputs[pos] is not None and inputs[pos].requires_grad:
-            raise frozen_input_error("fused_moe_lora_mxfp4", CORE_ARGS[pos])
-    ctx.save_for_backward(*inputs)
+    save_for_backward(ctx, "fused_moe_lora_mxfp4", inputs, CORE_ARGS, _FROZEN_POSITIONS)
     ctx.kw = keyword_only_inputs
 
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from . import cuda_impl
 from .contract import NO_ADAPTER, check_index_values, check_lora_linear_args, check_lora_ranks, check_rank_values
 from .reference import lora_linear_reference
-from .autograd import frozen_input_error, recompute_grads_by_slot
+from .autograd import recompute_grads_by_slot, save_for_backward
 
 CORE_ARGS = ("x", "weight", "lora_a", "lora_b", "token_lora_ids", "bias", "lora_ranks")
 _GRAD_POSITIONS = (0, 2, 3)
@@ -70,10 +70,7 @@ def _lora_linear_backward_fake(grad_y, *args, **kwargs):
 
 
 def _setup_context(ctx, inputs, output):
-    for pos in _FROZEN_POSITIONS:
-        if inputs[pos] is not None and inputs[pos].requires_grad:
-            raise frozen_input_error("lora_linear", CORE_ARGS[pos])
-    ctx.save_for_backward(*inputs)
+    save_for_backward(ctx, "lora_linear", inputs, CORE_ARGS, _FROZEN_POSITIONS)
 
 
 def _backward(ctx, grad_y):

@@ -470,6 +470,41 @@ def test_gradient_checkpointing_in_training_is_refused(mm, adapters):
     torch.testing.assert_close(eval_grad[0].detach(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_second_forward_before_backward_keeps_the_first_ones_gradients(mm):
+    """Training through the ops: the slot buffers as leaves. A reference forward (no grad, adapters=None, as DPO
+    does) between a forward and its backward, or two forwards whose losses are summed, give the gradients of each
+    forward alone (the ops saved a view of the shared id buffer, which the next forward rewrote: autograd refused
+    the backward with "modified by an inplace operation")."""
+    leaves = [t for m in mm.slots.experts_modules.values() for t in (m.lora_a13, m.lora_b13, m.lora_a2, m.lora_b2)]
+    leaves += [t for m in mm.slots.linear_modules.values() for t in (m.lora_a, m.lora_b)]
+    for t in leaves:
+        t.requires_grad_(True)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(2))
+    try:
+        mm.train()
+
+        def loss(adapters):
+            return (mm(ids, adapters=adapters).logits * weights).sum()
+
+        def grads(value):
+            return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+
+        want_xy, want_y = grads(loss(["x", "y"])), grads(loss(["y", None]))
+        first = loss(["x", "y"])
+        with torch.no_grad():
+            mm(ids, adapters=[None, None])
+        for got, want in zip(grads(first), want_xy):
+            torch.testing.assert_close(got, want)
+        for got, a, b in zip(grads(loss(["x", "y"]) + loss(["y", None])), want_xy, want_y):
+            torch.testing.assert_close(got, a + b)
+        assert any(g.abs().sum() > 0 for g in want_xy)
+    finally:
+        mm.eval()
+        for t in leaves:
+            t.requires_grad_(False)
+
+
 @pytest.mark.parametrize("fused_router, fuse", [
     (False, False),
     (True, False),
