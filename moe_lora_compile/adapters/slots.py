@@ -202,6 +202,7 @@ class AdapterSlots:
             _copy_padded(module.lora_a2[slot], lora.a2, rank_dim=1, non_blocking=nb)
             _copy_padded(module.lora_b2[slot], lora.b2, rank_dim=2, non_blocking=nb)
             _set_rank(module, slot, (_rank(lora.a13, 1), _rank(lora.a2, 1)))
+        self._zero_fused_b(slot)
         for module_name, module in self.linear_modules.items():
             lora = weights.get(module_name)
             _copy_padded(module.lora_a[slot], lora.a if isinstance(lora, LinearLoRA) else None, rank_dim=0,
@@ -231,6 +232,14 @@ class AdapterSlots:
                             f"{torch.finfo(new).max:.3g}; a load in {new} refuses it the same way (unload it "
                             f"first, or keep this dtype)")
         return None
+
+    def _zero_fused_b(self, slot: int) -> None:
+        """Zero ``slot`` of each fused group's block-diagonal ``lora_b_fused`` (:mod:`..models.dense`): its
+        off-diagonal blocks are no member's view, so the members' writes never reach them; anything written there
+        directly would otherwise outlive every later adapter of the slot."""
+        for module in self.linear_modules.values():
+            if getattr(module, "leads_fused_group", False):
+                module.lora_b_fused[slot].zero_()
 
     def _buffers(self):
         """``(module name, module, buffer name)`` of every slot buffer holding factors."""
@@ -267,6 +276,7 @@ class AdapterSlots:
             for buffer in _EXPERTS_BUFFERS:
                 getattr(module, buffer)[slot].zero_()
             _set_rank(module, slot, (0, 0))
+        self._zero_fused_b(slot)
         for module in self.linear_modules.values():
             for buffer in _LINEAR_BUFFERS:
                 getattr(module, buffer)[slot].zero_()

@@ -24,8 +24,8 @@ up_proj(x)``); DeepSeek MLA's ``q_a_proj`` (or ``q_proj``) and ``kv_a_proj_with_
 leader, holds the fused buffers (non-persistent): ``weight_fused [N, in]`` (``N`` = the members' out_features
 summed), ``bias_fused [N]`` (or None), ``lora_a_fused [L, nR, in]`` (member ``i``'s rank block rows
 ``iR:(i+1)R``), ``lora_ranks_fused [n, L]`` (member ``i``'s ranks in row ``i``) and ``lora_b_fused [L, N, nR]``,
-block-diagonal (the off-diagonal blocks are zero and are never
-written). Each member's ``weight`` / ``bias`` (the same Parameter objects, same state-dict names) and ``lora_a`` /
+block-diagonal (the off-diagonal blocks are zero: no member writes them, and a slot write zeroes them first).
+Each member's ``weight`` / ``bias`` (the same Parameter objects, same state-dict names) and ``lora_a`` /
 ``lora_b`` / ``lora_ranks`` buffers are views of its blocks, so state-dict loads and ``AdapterSlots`` writes
 (in-place copies into ``module.lora_a[slot]`` ...) land in the fused buffers unchanged.
 
@@ -36,10 +36,12 @@ Called alone or with another input a peer clears a stale stash and computes its 
 extra launch, same result). A model that called a peer first would still be right, only slower (and would leave
 the leader's stash on the peer until its next call).
 
-Two differences from unfused, both outside serving: the fused call reads ``weight_fused`` / ``bias_fused``
-(buffers), so under autograd the base weights get no gradient (the LoRA path's gradients are unchanged; the op
-treats base weights as frozen anyway); and a non-finite value written straight into one member's ``lora_b`` slot
-(the adapter loader refuses those) turns that slot's rows NaN in every member's output, not only in that member's.
+Differences from unfused, all outside serving: the fused call reads ``weight_fused`` / ``bias_fused``
+(buffers), so under autograd the base weights get no gradient (the op treats base weights as frozen anyway); a
+forward with grad enabled while any of the group's LoRA buffers (fused or a member's view) requires grad is a
+RuntimeError (the fused B's off-diagonal blocks would get gradient, the members' views none: train unfused); and
+a non-finite value written straight into one member's ``lora_b`` slot (the adapter loader refuses those) turns that
+slot's rows NaN in every member's output, not only in that member's.
 """
 
 from __future__ import annotations
@@ -121,12 +123,25 @@ class LoRALinear(nn.Module):
 
     def _forward_fused(self, x: Tensor) -> Tensor:
         """Our output; each peer's (for the same input) stashed on it for its own call."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in self._fused_lora_tensors()):
+            raise RuntimeError(
+                "fused LoRA linears (attach(fuse=...) / fuse_qkv=True) cannot be trained: their forward reads the "
+                "fused buffers, so the members' lora_a / lora_b would get no gradient and the fused B's zero "
+                "off-diagonal blocks would; attach with fuse=False, fuse_qkv=False to train, or run under "
+                "torch.no_grad()")
         y = self._lora_linear(x, self.weight_fused, self.lora_a_fused, self.lora_b_fused, self.bias_fused,
                               self.lora_ranks_fused)
         own, *others = (part.reshape(*x.shape[:-1], part.shape[-1]) for part in y.split(self._fused_sizes, dim=-1))
         for peer, out in zip(self._fused_peers, others):
             peer._fused_stash = (x, out)
         return own
+
+    def _fused_lora_tensors(self):
+        yield self.lora_a_fused
+        yield self.lora_b_fused
+        for m in fused_members(self):
+            yield m.lora_a
+            yield m.lora_b
 
     def extra_repr(self) -> str:
         fused = (f", fused_group=leader of {len(self._fused_sizes)}" if self.leads_fused_group

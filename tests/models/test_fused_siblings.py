@@ -162,6 +162,36 @@ def test_move_keeps_fusion(pair):
     assert mm.token_lora_ids.numel() >= 18 and all(m.token_lora_ids is mm.token_lora_ids for m in mm._fused_leaders)
 
 
+def test_training_a_fused_group_is_refused_and_a_reload_clears_its_zero_blocks(pair):
+    """A forward with grad while a fused group's LoRA buffers (the fused ones, or a member's view, as one sets them
+    unfused) require grad is a RuntimeError: the members' views got no gradient (None: an optimizer skipped them,
+    silently) and the fused B's off-diagonal blocks got some. Values written there anyway (here by hand) are zeroed
+    by the next write of the slot: a reload serves the adapter as loaded (it stayed 0.5 off)."""
+    plain, ids = pair["plain"], pair["ids"]
+    fused = attach(copy.deepcopy(pair["base"]), max_loras=3, max_rank=MAX_RANK, fuse=True)
+    fused.load_adapter("a", pair["root"] / "a")
+    fused.load_adapter("b", pair["root"] / "b")
+    leader = fused._fused_leaders[0]
+    member = fused_members(leader)[1]
+    for tensor in (leader.lora_b_fused, member.lora_a):
+        tensor.requires_grad_(True)
+        with pytest.raises(RuntimeError, match="fused LoRA linears .* cannot be trained"):
+            fused(ids, adapters=BATCH)
+        with torch.no_grad():
+            _assert_equal(fused, plain, ids)
+        tensor.requires_grad_(False)
+    slot = fused.adapters["a"]
+    with torch.no_grad():
+        leader.lora_b_fused[slot, :leader.out_features, MAX_RANK:] = 1.0  # off-diagonal blocks of slot a
+    assert not torch.allclose(_logits(fused, ids, BATCH), _logits(plain, ids, BATCH), atol=1e-3)
+    fused.load_adapter("a", pair["root"] / "a", replace=True)
+    _assert_equal(fused, plain, ids)
+    with torch.no_grad():
+        leader.lora_b_fused[slot, :leader.out_features, MAX_RANK:] = 1.0
+    fused.unload_adapter("a")
+    assert (leader.lora_b_fused[slot] == 0).all()
+
+
 @pytest.mark.parametrize("assign", [False, True])
 def test_loading_a_state_dict_reaches_the_fused_buffers(pair, assign):
     """mm.model.load_state_dict of other base weights: the fused model computes with them, as the unfused one does.
