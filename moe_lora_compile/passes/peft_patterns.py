@@ -234,6 +234,7 @@ def _single_index(node: Node, source: Node) -> Optional[Node]:
 
 def _adapter_term(put: Node, batched_x: Optional[Node]) -> tuple[MixedAdapter, Node]:
     """One ``index_put(prev, [rows], prev[rows] + B(A(x[rows])) * s)`` -> (adapter, x it reads)."""
+    require(len(put.args[1]) == 1 and put.args[1][0] is not None, f"{put.name}: index_put with other than one index")
     prev, (rows,), value = put.args[0], put.args[1], put.args[2]
     require(not (len(put.args) > 3 and put.args[3]) and not put.kwargs.get("accumulate", False),
             f"{put.name}: accumulating index_put")

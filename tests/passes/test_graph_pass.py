@@ -60,6 +60,27 @@ def test_graph_without_moe_or_lora_is_unchanged():
     assert not p.counts  # no rewrite and no matcher error
 
 
+class TwoIndexPut(nn.Module):
+    """``out[rows, cols] += v``: an index_put with two index tensors (backward graphs of gathered LoRA hold such),
+    which is no PEFT adapter term."""
+
+    def forward(self, out, rows, cols, v):
+        out = out.clone()
+        out[rows, cols] = out[rows, cols] + v
+        return out
+
+
+def test_index_put_with_two_indices_is_no_match_not_a_matcher_error():
+    args = (torch.randn(6, 8), torch.tensor([0, 2]), torch.tensor([1, 3]), torch.randn(2))
+    gm = _graph(TwoIndexPut(), *args)
+    assert any(n.target is torch.ops.aten.index_put.default and len(n.args[1]) == 2 for n in gm.graph.nodes)
+    before = gm.graph.python_code("self").src
+    p = MoELoRAPass()
+    p(gm.graph)
+    assert gm.graph.python_code("self").src == before
+    assert not p.counts  # was matcher_errors 1 (a ValueError unpacking the indices, logged with its traceback)
+
+
 def test_uuid_changes_with_options():
     uuids = {MoELoRAPass().uuid(), MoELoRAPass(moe=False).uuid(), MoELoRAPass(hf_experts=False).uuid(),
              MoELoRAPass(linear=False).uuid()}
