@@ -470,6 +470,30 @@ def test_gradient_checkpointing_in_training_is_refused(mm, adapters):
     torch.testing.assert_close(eval_grad[0].detach(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_target_under_a_path_this_base_lacks_warns_of_nothing(tmp_path):
+    """A config shared across families names DeepSeek's ``shared_experts.up_proj`` beside Qwen2-MoE's own
+    ``shared_expert.up_proj``: PEFT skips the path this base lacks, and so does the load (it warned of an
+    incomplete file, because ``up_proj`` is also a per-expert projection name); the logits equal PEFT's."""
+    import warnings
+
+    from peft import LoraConfig
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen2_moe")).eval()
+    config = LoraConfig(r=4, init_lora_weights=False,
+                        target_modules=["q_proj", "shared_expert.up_proj", "shared_experts.up_proj"])
+    peft_model = get_peft_model(copy.deepcopy(base), config).eval()
+    randomize_lora_(peft_model, seed=6)
+    peft_model.save_pretrained(tmp_path / "shared")
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.load_adapter("z", tmp_path / "shared")
+    x = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(mm(x, adapters=["z", "z"]).logits, peft_model(x).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_a_second_forward_before_backward_keeps_the_first_ones_gradients(mm):
     """Training through the ops: the slot buffers as leaves. A reference forward (no grad, adapters=None, as DPO
     does) between a forward and its backward, or two forwards whose losses are summed, give the gradients of each
@@ -666,13 +690,11 @@ def test_adapter_of_a_shallower_model_warns_naming_every_module_it_misses(adapte
     dict(layers_to_transform=0, layers_pattern="layers"),  # an int, with the name before the index
     dict(exclude_modules=["o_proj"]),  # excluded by suffix
     dict(exclude_modules=r".*layers\.0\.self_attn\.v_proj"),  # excluded by a regex
-    # a per-expert projection's name under a path this base lacks (DeepSeek's shared experts): PEFT skips it
-    dict(target_modules=["q_proj", "shared_experts.up_proj"], target_parameters=None),
-], ids=["layers_to_transform", "layers_pattern", "exclude_list", "exclude_regex", "foreign_target"])
+], ids=["layers_to_transform", "layers_pattern", "exclude_list", "exclude_regex"])
 def test_peft_target_limits_warn_of_nothing_and_equal_peft(adapters, tmp_path, limits):
-    """Adapters that PEFT limits to some modules (layers_to_transform / layers_pattern / exclude_modules, targets
-    this base lacks) have weights for exactly those: they load without a warning (exclude_list and foreign_target
-    used to warn of an incomplete file), and their logits equal PEFT's."""
+    """Adapters that PEFT limits to some modules (layers_to_transform / layers_pattern / exclude_modules) have
+    weights for exactly those: they load without a warning (exclude_list used to warn of an incomplete file), and
+    their logits equal PEFT's."""
     import warnings
 
     peft_model = get_peft_model(copy.deepcopy(adapters["base"]), tiny_lora_config(FAMILY, **limits)).eval()
