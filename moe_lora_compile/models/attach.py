@@ -543,7 +543,19 @@ class MultiLoRAModel(nn.Module):
     def generate(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
                  **kwargs):
         """``model.generate`` (KV cache as usual) with ``adapters[b]`` applied to sequence ``b`` at every step.
-        Prompt ids outside the vocabulary are a ValueError (one host sync, before anything runs)."""
+        Prompt ids outside the vocabulary are a ValueError (one host sync, before anything runs). ``inputs=`` (the
+        name of transformers' first argument) is taken for ``input_ids``. ``cache_implementation="paged"`` is
+        refused: transformers then runs its continuous batching, whose forwards pack every sequence into one row
+        (from a thread of its own), so per-row adapters cannot apply (:class:`~moe_lora_compile.serving.ServingEngine`
+        is continuous batching with them)."""
+        if input_ids is None and "inputs" in kwargs:
+            input_ids = kwargs.pop("inputs")
+        if kwargs.get("cache_implementation") == "paged":
+            raise NotImplementedError(
+                "generate: cache_implementation='paged' switches transformers to continuous batching, which packs "
+                "all sequences into one row and cannot apply per-row adapters (it waited forever on the model's "
+                "lock); use the default cache or cache_implementation='static', or "
+                "moe_lora_compile.serving.ServingEngine for continuous batching with adapters")
         batch = self._batch_size(input_ids, kwargs)
         if input_ids is not None:
             check_prompt_values(input_ids, None, self.model.get_input_embeddings().num_embeddings)

@@ -93,3 +93,39 @@ def test_a_forward_under_inference_mode_leaves_no_inference_tensors(tmp_path):
     with torch.inference_mode():
         first = graphs.generate(ids, max_new_tokens=3)
     assert torch.equal(graphs.generate(ids, max_new_tokens=3), first)
+
+
+def test_generate_refuses_paged_cache_and_takes_inputs(tmp_path):
+    """cache_implementation="paged" makes transformers run continuous batching: its forwards (from a thread of its
+    own) waited forever on the model's lock, held by the call, and would have packed every sequence into one row
+    whatever its adapter. Now a NotImplementedError before anything runs (checked in a thread with a timeout, so a
+    regression fails instead of hanging). ``inputs=``, transformers' name for the prompt, is taken as input_ids."""
+    import threading
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config("qwen3_moe")).eval()
+    randomize_lora_(peft_model, seed=1)
+    peft_model.save_pretrained(tmp_path / "a")
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4)
+    mm.load_adapter("a", tmp_path / "a")
+    ids = torch.randint(3, 128, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    outcome = []
+
+    def paged():
+        try:
+            mm.generate(ids, adapters=["a", None], max_new_tokens=2, cache_implementation="paged")
+            outcome.append("ran")
+        except NotImplementedError as error:
+            outcome.append(str(error))
+
+    worker = threading.Thread(target=paged, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "generate(cache_implementation='paged') hangs"
+    assert "continuous batching" in outcome[0] and "ServingEngine" in outcome[0]
+    got = mm.generate(inputs=ids, adapters=["a", None], max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got, mm.generate(ids, adapters=["a", None], max_new_tokens=NEW, do_sample=False))
+    with torch.no_grad():
+        want = peft_model.generate(input_ids=ids[:1], max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(got[:1], want)
