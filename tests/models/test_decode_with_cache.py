@@ -129,3 +129,32 @@ def test_generate_refuses_paged_cache_and_takes_inputs(tmp_path):
     with torch.no_grad():
         want = peft_model.generate(input_ids=ids[:1], max_new_tokens=NEW, do_sample=False)
     assert torch.equal(got[:1], want)
+
+
+@pytest.mark.parametrize("options", [
+    dict(num_beams=3, num_return_sequences=2),  # beams: rows repeated per beam, each keeps its adapter
+    dict(prompt_lookup_num_tokens=2),  # prompt-lookup drafts verified in multi-token steps
+    dict(repetition_penalty=1.3, no_repeat_ngram_size=2),  # logits processors
+], ids=["beams", "prompt_lookup", "processors"])
+def test_generate_options_equal_peft_per_row(tmp_path, options):
+    """transformers' generate options through mm.generate: each row equals PEFT's own generate of that row with its
+    adapter alone (the base model for None)."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    peft_model = get_peft_model(copy.deepcopy(base), tiny_lora_config("qwen3_moe")).eval()
+    randomize_lora_(peft_model, seed=2, std=0.5)
+    peft_model.save_pretrained(tmp_path / "a")
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4)
+    mm.load_adapter("a", tmp_path / "a")
+    ids = torch.randint(3, 128, (2, PROMPT), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=6, do_sample=False, **options)
+    if "prompt_lookup_num_tokens" in options:  # transformers runs assisted decoding at batch 1 only
+        got = [mm.generate(ids[i:i + 1], adapters=[name], **kwargs) for i, name in enumerate(["a", None])]
+    else:
+        both = mm.generate(ids, adapters=["a", None], **kwargs)
+        got = both.chunk(2)
+    with torch.no_grad():
+        want = [peft_model.generate(input_ids=ids[:1], **kwargs), base.generate(input_ids=ids[1:], **kwargs)]
+    for g, w in zip(got, want):
+        assert torch.equal(g[:, :w.shape[1]], w) and (g[:, w.shape[1]:] == 0).all()  # (pad after an eos)
+    assert not torch.equal(want[0][:, PROMPT:], want[1][:, PROMPT:])  # the adapter changes the tokens
