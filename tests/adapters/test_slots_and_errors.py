@@ -474,7 +474,6 @@ def test_a_target_under_a_path_this_base_lacks_warns_of_nothing(tmp_path):
     """A config shared across families names DeepSeek's ``shared_experts.up_proj`` beside Qwen2-MoE's own
     ``shared_expert.up_proj``: PEFT skips the path this base lacks, and so does the load (it warned of an
     incomplete file, because ``up_proj`` is also a per-expert projection name); the logits equal PEFT's."""
-    import warnings
 
     from peft import LoraConfig
 
@@ -485,10 +484,16 @@ def test_a_target_under_a_path_this_base_lacks_warns_of_nothing(tmp_path):
     peft_model = get_peft_model(copy.deepcopy(base), config).eval()
     randomize_lora_(peft_model, seed=6)
     peft_model.save_pretrained(tmp_path / "shared")
+    _loads_silently_and_equals_peft(base, peft_model, tmp_path / "shared")
+
+
+def _loads_silently_and_equals_peft(base, peft_model, folder):
+    import warnings
+
     mm = attach(copy.deepcopy(base), max_loras=1, max_rank=8)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        mm.load_adapter("z", tmp_path / "shared")
+        mm.load_adapter("z", folder)
     x = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(mm(x, adapters=["z", "z"]).logits, peft_model(x).logits, rtol=1e-5, atol=1e-5)
@@ -695,19 +700,12 @@ def test_peft_target_limits_warn_of_nothing_and_equal_peft(adapters, tmp_path, l
     """Adapters that PEFT limits to some modules (layers_to_transform / layers_pattern / exclude_modules) have
     weights for exactly those: they load without a warning (exclude_list used to warn of an incomplete file), and
     their logits equal PEFT's."""
-    import warnings
 
     peft_model = get_peft_model(copy.deepcopy(adapters["base"]), tiny_lora_config(FAMILY, **limits)).eval()
     randomize_lora_(peft_model, seed=4)
     peft_model.save_pretrained(tmp_path / "limited")
     assert len(_lora_module_names(peft_model)) < len(_lora_module_names(adapters["peft"]["x"]))
-    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        mm.load_adapter("z", tmp_path / "limited")
-    x = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(mm(x, adapters=["z", "z"]).logits, peft_model(x).logits, rtol=1e-5, atol=1e-5)
+    _loads_silently_and_equals_peft(adapters["base"], peft_model, tmp_path / "limited")
 
 
 def test_own_family_does_not_warn(adapters):
