@@ -471,16 +471,19 @@ def test_gradient_checkpointing_in_training_is_refused(mm, adapters):
 
 
 def test_a_target_under_a_path_this_base_lacks_warns_of_nothing(tmp_path):
-    """A config shared across families names DeepSeek's ``shared_experts.up_proj`` beside Qwen2-MoE's own
-    ``shared_expert.up_proj``: PEFT skips the path this base lacks, and so does the load (it warned of an
-    incomplete file, because ``up_proj`` is also a per-expert projection name); the logits equal PEFT's."""
+    """A config shared across families names DeepSeek's ``shared_experts.gate_proj / up_proj`` beside Qwen2-MoE's
+    own ``shared_expert.*``: PEFT skips the path this base lacks, and so does the load (it warned of an incomplete
+    file, because ``gate_proj`` / ``up_proj`` are also per-expert projection names: PEFT 0.21 keeps them in
+    target_modules; 0.22 moves them to target_parameters as ``shared_experts.gate_up_proj``, and warns itself);
+    the logits equal PEFT's."""
 
     from peft import LoraConfig
 
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(tiny_config("qwen2_moe")).eval()
     config = LoraConfig(r=4, init_lora_weights=False,
-                        target_modules=["q_proj", "shared_expert.up_proj", "shared_experts.up_proj"])
+                        target_modules=["q_proj", "shared_expert.gate_proj", "shared_expert.up_proj",
+                                        "shared_experts.gate_proj", "shared_experts.up_proj"])
     peft_model = get_peft_model(copy.deepcopy(base), config).eval()
     randomize_lora_(peft_model, seed=6)
     peft_model.save_pretrained(tmp_path / "shared")
