@@ -752,7 +752,7 @@ _ANY = object()
 
 
 def _is_int(x) -> bool:
-    """An integer (Python, numpy or a 0-d integer tensor's item), not a bool."""
+    """An integer (Python or numpy, e.g. a tensor's ``.item()``; not a tensor itself), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
