@@ -514,30 +514,25 @@ class ServingEngine:
             except NoFreeSlot as error:  # every slot is held by live requests: wait for one to end
                 # (error.held: the holders when acquire failed; store.in_use read now could miss a hold released
                 # in between, and fail a request that the next step serves)
-                if not error.held:
-                    # no live request holds a slot (they are taken by adapters loaded into mm directly): none will
-                    # ever be freed by this engine, so waiting would never end (live requests without a slot,
-                    # e.g. of the base model, free none either)
-                    self._fail_waiting(handle, error)
-                    if handle is blocked:
-                        blocked, passed, self._bypassed = None, False, 0
+                if error.held:
+                    if blocked is None:
+                        blocked, passed = handle, True
                     continue
-                if blocked is None:
-                    blocked, passed = handle, True
-                continue
+                # no live request holds a slot (they are taken by adapters loaded into mm directly): none will ever
+                # be freed by this engine, so waiting would never end (live requests without a slot, e.g. of the
+                # base model, free none either)
+                self._fail_waiting(handle, error)
             except Exception as error:  # the adapter failed to load: this request fails, nothing else changes
                 self._fail_waiting(handle, error)
-                if handle is blocked:
-                    blocked, passed, self._bypassed = None, False, 0
-                continue
-            self._waiting.remove(handle)
-            if handle is blocked:  # served: the requests after it overtake nobody until another one is blocked
+            else:
+                self._waiting.remove(handle)
+                if passed and handle is not blocked and needs_slot:
+                    self._bypassed += 1
+                self._prefilling.append(_Live(handle, self._free_rows.pop(0), slot, held))
+                if group is not _ANY:
+                    group = adapter
+            if handle is blocked:  # it left the queue (served or failed): the later ones overtake nobody now
                 blocked, passed, self._bypassed = None, False, 0
-            elif passed and needs_slot:
-                self._bypassed += 1
-            self._prefilling.append(_Live(handle, self._free_rows.pop(0), slot, held))
-            if group is not _ANY:
-                group = adapter
         self._blocked = blocked
 
     def _fail_waiting(self, handle: RequestHandle, error: Exception) -> None:
