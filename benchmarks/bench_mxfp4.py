@@ -60,8 +60,8 @@ def mxfp4_grid(tokens, adapters, ranks, sets: int, hbm_tbs: float, warmup_ms: in
         batches = [make_batch(g, T, L, 0.0, seed=100 + s) for s in range(sets)]
         layers = [sets_[s % 2] for s in range(sets)]
         stacks = [lora_stacks(lay, L, R) for lay, _ in layers]
-        tuned = kernel_configs._rank_buckets(kernel_configs._load(kernel_configs.device_name(torch.device("cuda"))),
-                                             g.E, g.H, g.I, R, mxfp4=True)
+        tuned = kernel_configs.pick_bucket(kernel_configs._rank_buckets(  # the entry the op reads at this T, if any
+            kernel_configs._load(kernel_configs.table_gpu(torch.device("cuda"))), g.E, g.H, g.I, R, mxfp4=True), T)
         row = {"T": T, "L": L, "R": R, "mx_cfg": "tuned" if tuned else "heuristic"}
         row["mxfp4_us"] = time_graph([_mxfp4_call(lay, w, st, b) for (lay, w), st, b in zip(layers, stacks, batches)],
                                      warmup_ms, rep_ms)

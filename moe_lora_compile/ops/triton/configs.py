@@ -3,8 +3,8 @@ shipped as JSON (``moe_lora_compile/configs/<gpu>.json``) and the heuristic fall
 
 A JSON file (one per GPU name) maps a shape key ``E=..,H=..,I=..,R=..`` (R = the padded rank BLOCK_R; with a
 ``,W=mxfp4`` suffix for MXFP4 experts, tuned apart: ``tune --mxfp4``) to token buckets ``{"T": config}``; the
-entry of the largest bucket <= T is used (the smallest if T is below all); a missing rank bucket takes the nearest
-tuned rank of the same layer shape and weight format. An entry is the JSON form of :class:`MoEKernelConfig`
+entry of the largest bucket <= T is used (:func:`pick_bucket`: the smallest if T is below all; from twice the largest
+on, the heuristic); a missing rank bucket takes the nearest tuned rank of the same layer shape and weight format. An entry is the JSON form of :class:`MoEKernelConfig`
 (:meth:`~MoEKernelConfig.to_dict` / :meth:`~MoEKernelConfig.from_dict`); keys with a default may be left out::
 
     {"per_pair": bool, "BLOCK_M": int,
@@ -413,17 +413,28 @@ def _rank_buckets(table: dict, E: int, H: int, I: int, R: int, mxfp4: bool) -> O
     return table[prefix + str(min(ranks, key=lambda r: abs(r - R))) + suffix]
 
 
+def pick_bucket(buckets: Optional[dict], T: int):
+    """The entry of ``buckets`` (``{"T": config}``) for T tokens: the largest tuned T <= T (the smallest for T below
+    all), or None (the heuristic) for T at twice the largest tuned T or more: an entry tuned for far fewer tokens
+    has the tiles of a smaller GEMM (H100, MXFP4 GPT-OSS-20B layer at T=512: the T=32 entry took 1082 us, the
+    heuristic 805; BENCHMARKS.md, 2026-12-05 and 2026-12-07)."""
+    if not buckets:
+        return None
+    sizes = sorted(int(t) for t in buckets)
+    if T >= 2 * sizes[-1]:
+        return None
+    below = [t for t in sizes if t <= T]
+    return buckets[str(below[-1] if below else sizes[0])]
+
+
 def get_config(device: torch.device, E: int, H: int, I: int, R: int, T: int, k: int,
                mxfp4: bool = False) -> MoEKernelConfig:
     """The tuned config for this GPU and shape bucket (``per_pair_shrink`` filled in by
     :func:`default_per_pair_shrink` where the entry lacks it), else :func:`default_config`
     (:func:`default_mxfp4_config` for MXFP4 experts, whose entries are their own: ``mxfp4``)."""
-    buckets = _rank_buckets(_load(table_gpu(device)), E, H, I, R, mxfp4)
-    if not buckets:
+    found = pick_bucket(_rank_buckets(_load(table_gpu(device)), E, H, I, R, mxfp4), T)
+    if found is None:
         return (default_mxfp4_config if mxfp4 else default_config)(E, H, I, R, T, k)
-    sizes = sorted(int(t) for t in buckets)
-    below = [t for t in sizes if t <= T]
-    found = buckets[str(below[-1] if below else sizes[0])]
     if found.per_pair_shrink is None:
         found = _with_per_pair_shrink(found, default_per_pair_shrink(found.per_pair, T * k))
     return found
@@ -520,9 +531,8 @@ def _load_linear(device_name: Optional[str]) -> dict[str, dict[str, LinearKernel
 def lookup_linear(table: dict[str, dict[str, LinearKernelConfig]], T: int, n_in: int, n_out: int,
                   R: int) -> Optional[LinearKernelConfig]:
     """The entry of ``table`` for T tokens, or None. Shape: ``(n_out, n_in)`` at the padded rank R, else the nearest
-    tuned rank of that shape. Bucket: the largest tuned T <= T, if T is below twice it (the tuned T are powers of
-    two; past the largest one the heuristic knows better than an entry tuned for fewer tokens); the smallest bucket
-    for T below all. None (the heuristic) also for a GEMV entry at T > :data:`GEMV_MAX_T`."""
+    tuned rank of that shape. Bucket: :func:`pick_bucket`. None (the heuristic) also for a GEMV entry at
+    T > :data:`GEMV_MAX_T`."""
     key = linear_shape_key(n_in, n_out, R)
     buckets = table.get(key)
     if not buckets:
@@ -530,13 +540,7 @@ def lookup_linear(table: dict[str, dict[str, LinearKernelConfig]], T: int, n_in:
         ranks = sorted(int(k.rsplit("=", 1)[1]) for k in table if k.startswith(prefix))
         if ranks:
             buckets = table[prefix + str(min(ranks, key=lambda r: abs(r - R)))]
-    if not buckets:
-        return None
-    sizes = sorted(int(t) for t in buckets)
-    below = [t for t in sizes if t <= T]
-    if not below:
-        return buckets[str(sizes[0])]
-    found = buckets[str(below[-1])] if T < 2 * below[-1] else None
+    found = pick_bucket(buckets, T)
     return None if found is not None and found.gemv and T > GEMV_MAX_T else found  # a GEMV entry past its sizes
 
 
