@@ -258,11 +258,12 @@ def load_mxfp4_gpt_oss(path: str, *, dtype: Union[torch.dtype, str] = torch.bflo
                 if src.shape != dst.shape:
                     raise ValueError(f"{file}: {key} has shape {list(src.shape)}, the model {list(dst.shape)}")
                 if dst.dtype == torch.uint8:  # blocks / scales: the stored bits, never a value conversion
-                    if src.dtype in (torch.int8, torch.float8_e8m0fnu):
+                    scales = key.endswith("_scales")
+                    if src.dtype == torch.int8 or (scales and src.dtype == torch.float8_e8m0fnu):
                         src = src.view(torch.uint8)
                     elif src.dtype != torch.uint8:
-                        raise ValueError(f"{file}: {key} is {src.dtype}; MXFP4 blocks and scales must be uint8 "
-                                         f"(E2M1 pairs / E8M0 exponent bytes)")
+                        raise ValueError(f"{file}: {key} is {src.dtype}; MXFP4 blocks must be uint8 or int8 bytes "
+                                         f"(E2M1 pairs), scales uint8, int8 or float8_e8m0fnu (E8M0 exponents)")
                 elif not src.is_floating_point():
                     raise ValueError(f"{file}: {key} is {src.dtype}, the model's {dst.dtype}")
                 with torch.no_grad():

@@ -393,8 +393,10 @@ def test_load_mxfp4_checkpoint_reads_its_generation_config(tmp_path):
 
 
 def test_load_mxfp4_checkpoint_takes_the_stored_bits_only(tmp_path):
-    """Blocks / scales are bytes: E8M0 scales stored as float8_e8m0fnu load as their bits (a value copy turned
-    2**-7 into the byte 0); float or wide-int copies of them are refused (they were cast by value, logits off or NaN)."""
+    """Blocks / scales are bytes: E8M0 scales stored as float8_e8m0fnu, and blocks or scales stored as int8, load as
+    their bits (a value copy turned 2**-7 into the byte 0); float or wide-int copies of them are refused (they were cast
+    by value, logits off or NaN), and so are blocks stored as float8_e8m0fnu (E2M1 pairs are not exponents: they
+    loaded)."""
     from safetensors.torch import load_file, save_file
 
     build_mxfp4_gpt_oss(_mxfp4_config()).save_pretrained(tmp_path)
@@ -405,9 +407,15 @@ def test_load_mxfp4_checkpoint_takes_the_stored_bits_only(tmp_path):
               metadata={"format": "pt"})
     got = load_mxfp4_gpt_oss(str(tmp_path), dtype=torch.float32)
     assert torch.equal(got.state_dict()[key], want.state_dict()[key])
-    for bad in (torch.ldexp(torch.ones(weights[key].shape), weights[key].int() - 127), weights[key].int() - 127):
-        save_file(dict(weights, **{key: bad.contiguous()}), tmp_path / "model.safetensors", metadata={"format": "pt"})
-        with pytest.raises(ValueError, match=f"{key} is torch.(float32|int32).*must be uint8"):
+    blocks = "model.layers.0.mlp.experts.down_proj_blocks"
+    save_file(dict(weights, **{k: weights[k].view(torch.int8) for k in (key, blocks)}), tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    got = load_mxfp4_gpt_oss(str(tmp_path), dtype=torch.float32)
+    assert all(torch.equal(got.state_dict()[k], want.state_dict()[k]) for k in (key, blocks))
+    for name, bad in ((key, torch.ldexp(torch.ones(weights[key].shape), weights[key].int() - 127)),
+                      (key, weights[key].int() - 127), (blocks, weights[blocks].view(torch.float8_e8m0fnu))):
+        save_file(dict(weights, **{name: bad.contiguous()}), tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"{name} is torch.(float32|int32|float8_e8m0fnu).*must be uint8"):
             load_mxfp4_gpt_oss(str(tmp_path))
 
 
