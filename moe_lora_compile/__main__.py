@@ -301,10 +301,14 @@ def _device_error(device: Optional[str]) -> Optional[str]:
     """Why ``device`` cannot be used here (one line), or None."""
     import torch
 
+    if device is not None and not device.strip():
+        return "--device is empty; leave it out for the CPU, or give cpu, cuda or cuda:N"
     try:
         dev = torch.device(device or "cpu")
     except RuntimeError as error:
         return f"--device {device!r}: {error}"
+    if dev.type == "cpu" and dev.index not in (None, 0):  # torch takes any index; there is one CPU device
+        return f"--device {device}: there is one CPU device (cpu or cpu:0)"
     if dev.type == "cuda" and not torch.cuda.is_available():
         build = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA device is visible"
         return f"--device {device}: CUDA is not available ({build}); run without --device to use the CPU"

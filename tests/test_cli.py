@@ -52,6 +52,8 @@ def test_bad_values_are_one_line_before_any_work(tmp_path):
                                                                                          # the build
     _one_error_line(_run(*demo, "--batch", "2"), "--batch", "must be >= 3 (the recompile checks")
     _one_error_line(_run(*demo, "--device", "meta"), "--device meta", "cpu or cuda")
+    _one_error_line(_run(*demo, "--device", ""), "--device is empty")  # (was read as "not given": the CPU)
+    _one_error_line(_run(*demo, "--device", "cpu:5"), "one CPU device")  # (ran, reporting "on cpu:5")
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     _one_error_line(_run("-m", "moe_lora_compile", "dump", str(blocker / "dump")), "is a file, not a folder")
