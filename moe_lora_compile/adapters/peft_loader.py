@@ -84,6 +84,7 @@ class ExpertsTarget:
     layout: str
     per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     peft_a_on_output: bool = False
+    per_expert_targets: bool = True  # PEFT's target_modules reach these experts through per_expert_names
 
 
 @dataclass(frozen=True)
@@ -619,7 +620,7 @@ def _warn_untouched_targets(config: AdapterConfig, result: dict[str, ModuleLoRA]
         # a per-expert projection (gate_proj, w1, ...) of experts of this base, named by a path that can reach one
         leaf = t.rpartition(".")[2]
         names = next((target.per_expert_names for name, target in experts_targets.items()
-                      if leaf in target.per_expert_names
+                      if target.per_expert_targets and leaf in target.per_expert_names
                       and any(_suffix_match(f"{name}.{e}.{leaf}", t) for e in range(target.num_experts))), None)
         if names is not None:
             factor = "a2" if leaf == names[2] else "a13"

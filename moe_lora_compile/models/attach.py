@@ -199,7 +199,8 @@ class MultiLoRAModel(nn.Module):
 
     def _experts_target(self, module: nn.Module) -> ExpertsTarget:
         E, H, I = experts_geometry(module, self.family.layout)
-        return ExpertsTarget(E, H, I, self.family.layout, self.family.per_expert_names, self.family.peft_a_on_output)
+        return ExpertsTarget(E, H, I, self.family.layout, self.family.per_expert_names, self.family.peft_a_on_output,
+                             self.family.per_expert_targets)
 
     def _lora_modules(self):
         yield from self.slots.experts_modules.values()

@@ -31,7 +31,10 @@ class Family:
     (Llama-4). ``per_expert_names``: (gate, up, down) leaf names in per-expert PEFT adapters.
     ``legacy_block_attrs``: the MoE block's name in older (transformers 4) checkpoints. ``peft_a_on_output``: current
     PEFT puts LoRA A on the output side of this family's expert weights (it does for Llama-4, whose experts lack
-    ``is_transposed``); used only to break the tie when shapes cannot tell.
+    ``is_transposed``); used only to break the tie when shapes cannot tell. ``per_expert_targets``: PEFT's
+    ``target_modules`` reach this family's experts through the per-expert names (transformers maps its per-expert
+    checkpoints onto the fused experts, and PEFT converts those targets); GPT-OSS and Llama-4 always shipped fused
+    experts, so there PEFT adapts no expert for ``gate_proj`` & co. (checked with PEFT 0.21.2 and 0.22.0).
     """
 
     name: str
@@ -44,6 +47,7 @@ class Family:
     per_expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     legacy_block_attrs: tuple[str, ...] = ()
     peft_a_on_output: bool = False
+    per_expert_targets: bool = True
     dense_targets: tuple[str, ...] = field(default=ATTENTION_TARGETS + MLP_TARGETS)
     notes: str = ""
 
@@ -58,14 +62,14 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen2_moe", FAMILY_MODEL_TYPES["qwen2_moe"], "mlp", CONCAT, "silu",
            notes="shared expert (dense LoRA) with sigmoid shared_expert_gate"),
     Family("gpt_oss", FAMILY_MODEL_TYPES["gpt_oss"], "mlp", TRANSPOSED_INTERLEAVED, "gptoss_swiglu",
-           notes="interleaved gate/up, expert biases, clamped swiglu; attention biases"),
+           per_expert_targets=False, notes="interleaved gate/up, expert biases, clamped swiglu; attention biases"),
     Family("mixtral", FAMILY_MODEL_TYPES["mixtral"], "mlp", CONCAT, "silu", per_expert_names=("w1", "w3", "w2"),
            legacy_block_attrs=("block_sparse_moe",), notes="per-expert adapters use w1/w3/w2"),
     Family("deepseek_v3", FAMILY_MODEL_TYPES["deepseek_v3"], "mlp", CONCAT, "silu", dense_targets=MLA_TARGETS + MLP_TARGETS,
            notes="sigmoid group routing, shared experts and first dense layers (dense LoRA), MLA attention"),
     Family("olmoe", FAMILY_MODEL_TYPES["olmoe"], "mlp", CONCAT, "silu", notes="softmax top-k routing"),
     Family("llama4", FAMILY_MODEL_TYPES["llama4"], "feed_forward", TRANSPOSED_CONCAT, "silu", routing_weight_on_input=True,
-           decorated=False, peft_a_on_output=True,
+           decorated=False, peft_a_on_output=True, per_expert_targets=False,
            notes="text model only; experts not decorated (block swapped); routing weight scales the input"),
     Family("dense", FAMILY_MODEL_TYPES["dense"], None, notes="dense causal LMs: lora_linear path only"),
 )

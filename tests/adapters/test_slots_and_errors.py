@@ -711,6 +711,23 @@ def test_peft_target_limits_warn_of_nothing_and_equal_peft(adapters, tmp_path, l
     _loads_silently_and_equals_peft(adapters["base"], peft_model, tmp_path / "limited")
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_per_expert_names_that_peft_finds_nowhere_warn_of_nothing(tmp_path, family):
+    """GPT-OSS and Llama-4 always had fused experts: PEFT adapts none of them for target_modules gate_proj /
+    up_proj / down_proj (only dense modules of those names, Llama-4's shared expert), so an adapter naming them loads
+    without the "incomplete file" warning (GPT-OSS warned that 3 modules run without the adapter's delta) and
+    equals PEFT."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    config = tiny_lora_config(family, target_modules=["q_proj", "gate_proj", "up_proj", "down_proj"],
+                              target_parameters=None)
+    peft_model = get_peft_model(copy.deepcopy(base), config).eval()
+    randomize_lora_(peft_model, seed=5)
+    assert not any(".experts" in n for n in _lora_module_names(peft_model))
+    peft_model.save_pretrained(tmp_path / "named")
+    _loads_silently_and_equals_peft(base, peft_model, tmp_path / "named")
+
+
 def test_own_family_does_not_warn(adapters):
     import warnings
     mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
