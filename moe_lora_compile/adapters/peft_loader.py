@@ -598,7 +598,8 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
             if t is not None and t.shape[-2] > max_rank:
                 stacked = (" (per-expert gate and up LoRA with different A's are served as one of rank r_gate + "
                            "r_up, their A's stacked)" if factor == "a13" and name in per_expert else "")
-                raise _weights_error(f"rank {t.shape[-2]} of {name!r}{stacked} exceeds max_rank={max_rank} "
+                part = {"a13": " (its gate/up projection)", "a2": " (its down projection)"}.get(factor, "")
+                raise _weights_error(f"rank {t.shape[-2]} of {name!r}{part}{stacked} exceeds max_rank={max_rank} "
                                      f"(attach with a larger max_rank)")
     return result
 

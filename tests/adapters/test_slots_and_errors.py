@@ -290,6 +290,18 @@ def test_bad_hot_swap_keeps_the_old_adapter(mm, adapters, tmp_path):
     assert mm.adapters == {"x": 0, "y": 1} and all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_rank_above_max_names_the_projection(adapters, tmp_path):
+    """An expert projection's rank past max_rank (rank_pattern on down_proj only) is refused naming which projection
+    of the experts module it is (the message named only the module)."""
+    peft_model = get_peft_model(copy.deepcopy(adapters["base"]), tiny_lora_config(FAMILY, r=4,
+                                                                                  rank_pattern={"down_proj": 16}))
+    peft_model.save_pretrained(tmp_path / "deep_down")
+    mm = attach(copy.deepcopy(adapters["base"]), max_loras=1, max_rank=8)
+    with pytest.raises(ValueError, match=r"rank 16 of 'model.layers.0.mlp.experts' \(its down projection\) exceeds"):
+        mm.load_adapter("z", tmp_path / "deep_down")
+    assert mm.adapters == {}
+
+
 def test_slots_full(mm, adapters):
     mm.load_adapter("z", adapters["paths"]["attn_only"])
     mm.load_adapter("w", adapters["paths"]["attn_only"])
