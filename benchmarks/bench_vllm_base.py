@@ -180,10 +180,13 @@ class VllmLayer:
             second()
         return both, (c1, act, c2)
 
-    def check(self, x, topk_ids, topk_weights, config) -> float:
-        """Max relative error of both GEMMs' outputs against float32 torch on the same pairs."""
+    def check(self, x, topk_ids, topk_weights, config, rows: int = 16) -> float:
+        """Max relative error of both GEMMs' outputs against float32 torch on the same pairs (the first ``rows``
+        tokens: the reference gathers each pair's expert weights)."""
         run, (c1, act, c2) = self.calls(x, topk_ids, topk_weights, config)
         run()
+        act = act[:rows * topk_ids.shape[1]]  # pair t*k + j: token-major
+        x, topk_ids, topk_weights, c1, c2 = x[:rows], topk_ids[:rows], topk_weights[:rows], c1[:rows], c2[:rows]
         ids = topk_ids.long()
         want1 = torch.einsum("th,tjnh->tjn", x.float(), self.w1[ids].float())
         want2 = torch.einsum("tji,tjhi->tjh", act.view(*ids.shape, -1).float(), self.w2[ids].float())
@@ -215,7 +218,7 @@ def main(argv=None):
         p.error("needs a CUDA GPU (the kernels are timed)")
     vllm, configs = load_vllm(a.vllm_src)
     device_name = torch.cuda.get_device_name()
-    hbm = a.hbm_tbs or copy_bandwidth(torch.device("cuda"))
+    hbm = a.hbm_tbs or copy_bandwidth(torch.device("cuda")) / 1e12  # bytes/s -> TB/s
     print(f"# {device_name} torch {torch.__version__} triton {triton.__version__}; floor at {hbm:.2f} TB/s",
           flush=True)
     rows = []
