@@ -29,7 +29,8 @@ The masks are passed to the model ready-made (4-D, or a ``{layer type: mask}`` d
 sliding-window layers, e.g. GPT-OSS), so transformers' own mask construction, which assumes one query position for
 the whole batch, is skipped. Attention implementations: ``eager`` and the folded-GQA eager attention (additive
 masks) and ``sdpa`` (boolean masks).
-Llama-4 is refused: its chunked attention and its attention-temperature scaling use one row's positions for all.
+Llama-4 is refused: its chunked attention and its attention-temperature scaling use one row's positions for all. So
+is a batch-dependent RoPE ("dynamic", "longrope") wherever it would rescale (:func:`check_rope`).
 
 ``capture=False`` (the default without CUDA) runs the same static-buffer steps eagerly (the CPU tests).
 ``compile=True`` compiles the step once per bucket (static shapes) and, unless ``compile_prefill=False``, the
@@ -73,6 +74,35 @@ class MaskSpec:
     num_slots: int
     additive: bool
     dtype: torch.dtype
+
+
+def batch_dependent_rope(config) -> Optional[tuple[str, int]]:
+    """``(rope type, length)`` when transformers' rotary embedding of this text config recomputes its frequencies
+    from the largest position in the whole batch once a sequence passes ``length`` (``"dynamic"``: NTK scaling past
+    ``max_position_embeddings``; ``"longrope"``: the long factors past ``original_max_position_embeddings``), else
+    None: static RoPE (default, linear, YaRN, Llama-3, ...)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    groups = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    for group in groups:  # one dict, or one per layer type
+        kind = group.get("rope_type", group.get("type")) or ""
+        if "dynamic" in kind:
+            return kind, config.max_position_embeddings
+        if kind == "longrope":
+            return kind, group.get("original_max_position_embeddings") or config.max_position_embeddings
+    return None
+
+
+def check_rope(config, num_slots: int) -> None:
+    """ValueError if rows of one step could change each other's rotary embedding: a batch-dependent RoPE
+    (:func:`batch_dependent_rope`) takes the largest position of all rows (padding rows sit at ``num_slots - 1``),
+    so once that passes its length a short request would decode with a long one's frequencies, unlike alone."""
+    rope = batch_dependent_rope(config)
+    if rope is not None and num_slots > rope[1]:
+        kind, length = rope
+        raise ValueError(f"model: its RoPE ({kind!r}) rescales for all rows of a step from the longest one past {length} "
+                         f"positions (transformers takes one largest position for the batch), so per-row decoding "
+                         f"would change requests by what runs beside them; keep max_cache_len + "
+                         f"num_speculative_tokens + 1 <= {length} (it is {num_slots}), or use DecodeGraphs")
 
 
 def mask_spec(config, num_slots: int, dtype: torch.dtype) -> MaskSpec:
@@ -253,6 +283,7 @@ class RowGraphs:
                                            self.vocab_size)
         num_slots = max_cache_len + q  # the real slots, then q scratch slots for padding rows
         mask_spec(text_config, num_slots, self.dtype)  # refuse what per-row masks cannot express first
+        check_rope(text_config, num_slots)
         self.attention = attention_mode(attention)
         if fold == "eager":
             use_folded_gqa_attention(mm.model)

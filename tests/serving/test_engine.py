@@ -1028,3 +1028,36 @@ def test_fold_gqa_modes_as_decode_graphs():
         assert mm.model.config._attn_implementation == "eager"
     RowGraphs(mm, max_rows=2, max_cache_len=8, fold_gqa="eager", log=None)
     assert mm.model.config._attn_implementation == FOLDED_GQA
+
+
+def test_batch_dependent_rope_is_refused_where_rows_would_change_each_other():
+    """transformers' "dynamic" (and "longrope") RoPE rescales from the largest position of the whole batch: past
+    max_position_embeddings a padding row (at the scratch positions past max_cache_len) or a longer request changed
+    a short request's tokens (max_cache_len=64 = max_position_embeddings, buckets (4,): a request diverged from
+    mm.generate at its 8th token). Refused there, naming the limit; below it the engine equals each request alone,
+    padding rows included. Static RoPE types are not refused."""
+    from transformers import AutoModelForCausalLM
+
+    from moe_lora_compile.graphs.rows import batch_dependent_rope, check_rope
+    from moe_lora_compile.models.tiny import tiny_config
+
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    config = tiny_config("qwen3_moe", max_position_embeddings=64, rope_parameters=rope)
+    torch.manual_seed(0)
+    mm = attach(AutoModelForCausalLM.from_config(config).eval(), max_loras=2, max_rank=4)
+    mm.load_adapter_weights("a", random_adapter(mm, 1))
+    with pytest.raises(ValueError, match=r"RoPE \('dynamic'\) .* <= 64 \(it is 65\), or use DecodeGraphs"):
+        ServingEngine(mm, max_rows=4, max_cache_len=64, batch_sizes=(4,), log=None)
+    with pytest.raises(ValueError, match=r"<= 64 \(it is 65\)"):  # 63 + 1 draft + 1
+        ServingEngine(mm, max_rows=4, max_cache_len=63, batch_sizes=(4,), num_speculative_tokens=1, log=None)
+    prompts = [prompt(5, seed=1), prompt(9, seed=2)]
+    engine = ServingEngine(mm, max_rows=4, max_cache_len=60, batch_sizes=(4,), log=None)  # two padding rows a step
+    handles = engine.generate_many([Request(p, adapter=a, max_new_tokens=12, eos_token_ids=())
+                                    for p, a in zip(prompts, ["a", None])])
+    assert [h.tokens for h in handles] == [alone(mm, p, a, 12, eos=[]) for p, a in zip(prompts, ["a", None])]
+    longrope = tiny_config("qwen3_moe", rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                         "original_max_position_embeddings": 32})
+    assert batch_dependent_rope(longrope) == ("longrope", 32)
+    for static in ({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 32},
+                   {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}):
+        check_rope(tiny_config("qwen3_moe", max_position_embeddings=64, rope_parameters=static), 1000)
