@@ -194,7 +194,8 @@ class VllmLayer:
             want1 += self.b1[ids].float()
             want2 += self.b2[ids].float()
         want2 *= topk_weights.float()[..., None]
-        return max(float((got.float() - want).abs().max() / want.abs().max()) for got, want in ((c1, want1), (c2, want2)))
+        return max(float((got.float() - want).abs().max() / want.abs().max())
+                   for got, want in ((c1, want1), (c2, want2)))
 
 
 def main(argv=None):
@@ -260,7 +261,8 @@ def _no_lora(layer):
 
 
 def markdown(rows) -> str:
-    lines = ["| model | T | vLLM config | vLLM's 2 GEMMs us | ours, whole layer without LoRA us | floor us | ours / vLLM |",
+    lines = ["| model | T | vLLM config | vLLM's 2 GEMMs us | ours, whole layer without LoRA us | floor us "
+             "| ours / vLLM |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['T']} | {r['vllm_cfg']} | {r['vllm_gemms_us']} | {r['ours_base_us']} | "

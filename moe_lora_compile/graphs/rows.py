@@ -82,7 +82,8 @@ def batch_dependent_rope(config) -> Optional[tuple[str, int]]:
     ``max_position_embeddings``; ``"longrope"``: the long factors past ``original_max_position_embeddings``), else
     None: static RoPE (default, linear, YaRN, Llama-3, ...)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    groups = [params] if "rope_type" in params or "type" in params else [p for p in params.values() if isinstance(p, dict)]
+    flat = "rope_type" in params or "type" in params
+    groups = [params] if flat else [p for p in params.values() if isinstance(p, dict)]
     for group in groups:  # one dict, or one per layer type
         kind = group.get("rope_type", group.get("type")) or ""
         if "dynamic" in kind:
@@ -99,9 +100,9 @@ def check_rope(config, num_slots: int) -> None:
     rope = batch_dependent_rope(config)
     if rope is not None and num_slots > rope[1]:
         kind, length = rope
-        raise ValueError(f"model: its RoPE ({kind!r}) rescales for all rows of a step from the longest one past {length} "
-                         f"positions (transformers takes one largest position for the batch), so per-row decoding "
-                         f"would change requests by what runs beside them; keep max_cache_len + "
+        raise ValueError(f"model: its RoPE ({kind!r}) rescales for all rows of a step from the longest one past "
+                         f"{length} positions (transformers takes one largest position for the batch), so per-row "
+                         f"decoding would change requests by what runs beside them; keep max_cache_len + "
                          f"num_speculative_tokens + 1 <= {length} (it is {num_slots}), or use DecodeGraphs")
 
 

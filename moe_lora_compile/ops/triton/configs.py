@@ -4,8 +4,9 @@ shipped as JSON (``moe_lora_compile/configs/<gpu>.json``) and the heuristic fall
 A JSON file (one per GPU name) maps a shape key ``E=..,H=..,I=..,R=..`` (R = the padded rank BLOCK_R; with a
 ``,W=mxfp4`` suffix for MXFP4 experts, tuned apart: ``tune --mxfp4``) to token buckets ``{"T": config}``; the
 entry of the largest bucket <= T is used (:func:`pick_bucket`: the smallest if T is below all; from twice the largest
-on, the heuristic); a missing rank bucket takes the nearest tuned rank of the same layer shape and weight format. An entry is the JSON form of :class:`MoEKernelConfig`
-(:meth:`~MoEKernelConfig.to_dict` / :meth:`~MoEKernelConfig.from_dict`); keys with a default may be left out::
+on, the heuristic); a missing rank bucket takes the nearest tuned rank of the same layer shape and weight format. An
+entry is the JSON form of :class:`MoEKernelConfig` (:meth:`~MoEKernelConfig.to_dict` /
+:meth:`~MoEKernelConfig.from_dict`); keys with a default may be left out::
 
     {"per_pair": bool, "BLOCK_M": int,
      "w13": {"BLOCK_N", "BLOCK_K", "GROUP_SIZE_M", "num_warps", "num_stages", "SPLIT_K" (default 1)},
@@ -416,8 +417,8 @@ def _rank_buckets(table: dict, E: int, H: int, I: int, R: int, mxfp4: bool) -> O
 def pick_bucket(buckets: Optional[dict], T: int):
     """The entry of ``buckets`` (``{"T": config}``) for T tokens: the largest tuned T <= T (the smallest for T below
     all), or None (the heuristic) for T at twice the largest tuned T or more: an entry tuned for far fewer tokens
-    has the tiles of a smaller GEMM (H100, MXFP4 GPT-OSS-20B layer at T=512: the T=32 entry took 1082 us, the
-    heuristic 805; BENCHMARKS.md, 2026-12-05 and 2026-12-07)."""
+    has the tiles of a smaller GEMM (H100, MXFP4 GPT-OSS-20B layer at T=512, one process: the T=32 entry took 1120 us,
+    the heuristic 838; at T=128 402 against 418, where an entry of that T now exists; BENCHMARKS.md, 2026-12-07)."""
     if not buckets:
         return None
     sizes = sorted(int(t) for t in buckets)
