@@ -183,6 +183,9 @@ class DecodeGraphs:
         if not isinstance(num_speculative_tokens, int) or isinstance(num_speculative_tokens, bool) \
                 or num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an int >= 0, got {num_speculative_tokens!r}")
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0 (eager runs of each bucket before its capture), "
+                             f"got {warmup!r}")
         q = 1 + num_speculative_tokens
         if not isinstance(max_cache_len, int) or max_cache_len < q + 1:
             raise ValueError(f"max_cache_len must be an int > q = {q}, got {max_cache_len!r}")

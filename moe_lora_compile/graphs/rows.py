@@ -256,7 +256,8 @@ class RowGraphs:
                              "mode; RowGraphs and ServingEngine take True / 'eager' (fold eager-attention models) "
                              "or False / 'off'")
         for arg, value, low in (("max_rows", max_rows, 1), ("max_cache_len", max_cache_len, 2),
-                                ("prefill_chunk", prefill_chunk, 1), ("num_speculative_tokens", num_speculative_tokens, 0)):
+                                ("prefill_chunk", prefill_chunk, 1), ("num_speculative_tokens", num_speculative_tokens, 0),
+                                ("warmup", warmup, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
         if batch_sizes is None:

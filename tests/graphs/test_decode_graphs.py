@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moe_lora_compile.__main__ import ADAPTERS, build
-from moe_lora_compile.graphs import DecodeGraphs
+from moe_lora_compile.graphs import DecodeGraphs, RowGraphs
 from moe_lora_compile.models import attach
 from moe_lora_compile.models.tiny import tiny_config
 
@@ -204,6 +204,11 @@ def test_clear_errors(setup):
         DecodeGraphs(mm, capture=True)
     with pytest.raises(ValueError, match="exceed mm.token_lora_ids"):
         DecodeGraphs(mm, batch_sizes=(4096,), num_speculative_tokens=3, capture=False)
+    for warmup in (-1, 1.5, True):  # -1 ran no warmup silently; a bool or float is a typo
+        with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+            DecodeGraphs(mm, capture=False, warmup=warmup)
+        with pytest.raises(ValueError, match="warmup must be an int >= 0"):
+            RowGraphs(mm, max_rows=2, max_cache_len=16, capture=False, warmup=warmup)
 
 
 @pytest.mark.parametrize("call, error, message", [
