@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import ast
+import atexit
 import importlib.util
 import json
 import pathlib
+import shutil
 import sys
 import tempfile
 import types
@@ -79,6 +81,7 @@ def load_vllm(src: pathlib.Path) -> tuple[types.ModuleType, dict[str, str]]:
         decorators = "".join(f"@{ast.get_source_segment(text, d)}\n" for d in decorated[name])
         parts.append(decorators + found[name])
     module_dir = pathlib.Path(tempfile.mkdtemp(prefix="vllm_fused_moe_"))
+    atexit.register(shutil.rmtree, module_dir, ignore_errors=True)  # Triton reads the source as it compiles
     path = module_dir / "vllm_fused_moe_kernel.py"
     path.write_text("\n\n".join(parts) + "\n")
     spec = importlib.util.spec_from_file_location("vllm_fused_moe_kernel", path)
