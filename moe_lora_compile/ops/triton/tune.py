@@ -9,7 +9,8 @@ into w13, then the w13 tiles and split-K, the w2 tiles and split-K, the shrink's
 ``per_pair_shrink``) and split-K, w2 summing the rank-vector slices in its main loop (``w2_sum_in_loop``), then
 PDL (off / late / early); ``--groups`` limits the search to some of these
 coordinates (names in ``GROUPS``). Each candidate is timed as the median of ``triton.testing.do_bench`` over a
-CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an adapter). Entries are merged into the
+CUDA-graph replay of the whole layer (bf16, L=4 slots, every token with an adapter), once its outputs are checked
+against the float32 reference (a candidate off by more than ``MAX_REL_ERROR`` is rejected). Entries are merged into the
 output file under the GPU name and ``E=..,H=..,I=..,R=..`` shape key, after every (T, R), so a run cut short keeps
 what it tuned.
 
@@ -43,6 +44,7 @@ try:  # triton comes with CUDA builds of torch; a CPU install may lack it (main(
     from .configs import (CONFIG_DIR, MoEKernelConfig, default_config, default_mxfp4_config, device_name,
                           gpu_file_name, read_table, shape_key, write_table)
     from .launch import fused_moe_lora_mxfp4_triton, fused_moe_lora_triton
+    from ..reference import fused_moe_lora_reference
 except ImportError as _error:
     triton = None
     _TRITON_ERROR = str(_error)
@@ -52,14 +54,18 @@ GEMM_CHOICES = {"BLOCK_N": (16, 32, 64, 128), "BLOCK_K": (64, 128), "warps_stage
                 "GROUP_SIZE_M": (1, 8), "SPLIT_K": (1, 2, 3, 4, 6, 8)}
 SPLIT_K_CHOICES = (1, 4, 8, 16, 32)
 PDL_CHOICES = (False, "late", "early")
+# a candidate whose outputs differ more from the float32 reference is rejected, however fast (bf16 layers of these
+# tuning inputs measure 2-4e-3; a wrong config, e.g. a compiler bug at one tile shape, is off by O(1))
+MAX_REL_ERROR = 2e-2
 MXFP4_BLOCK_K_CHOICES = (64, 128, 256)  # MXFP4 K tiles: 32 bytes of a weight row per 64 inputs
 
 
-def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int, mxfp4: bool = False):
+def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int, mxfp4: bool = False, device: str = "cuda",
+            dtype: torch.dtype = torch.bfloat16):
     """(args, kwargs) of :func:`.launch.fused_moe_lora_triton`, or with ``mxfp4`` of
-    :func:`.launch.fused_moe_lora_mxfp4_triton` (the bf16 weights quantized: blocks, scales in place of each)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.05
+    :func:`.launch.fused_moe_lora_mxfp4_triton` (the weights quantized: blocks, scales in place of each)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen, dtype=dtype) * 0.05
     w13, w2 = rnd(*w13_shape(g.layout, g.E, g.H, g.I)), rnd(*w2_shape(g.layout, g.E, g.H, g.I))
     weights_args = (w13, w2)
     if mxfp4:
@@ -69,11 +75,37 @@ def _inputs(g: MoEGeometry, T: int, L: int, R: int, seed: int, mxfp4: bool = Fal
         weights_args = (q13.blocks, q13.scales, q2.blocks, q2.scales)
     lora = (rnd(L, g.E, R, g.H), rnd(L, g.E, 2 * g.I, R), rnd(L, g.E, R, g.I), rnd(L, g.E, g.H, R))
     x = rnd(T, g.H) * 20
-    weights, ids = torch.topk(torch.rand(T, g.E, device="cuda", generator=gen), g.k, dim=-1)
-    lora_ids = torch.randint(0, L, (T,), device="cuda", generator=gen, dtype=torch.int32)
+    weights, ids = torch.topk(torch.rand(T, g.E, device=device, generator=gen), g.k, dim=-1)
+    lora_ids = torch.randint(0, L, (T,), device=device, generator=gen, dtype=torch.int32)
     bias = dict(w13_bias=rnd(g.E, 2 * g.I), w2_bias=rnd(g.E, g.H)) if g.bias else {}
-    return (x, ids.to(torch.int32), weights.to(torch.bfloat16), lora_ids, *weights_args, *lora), dict(
+    return (x, ids.to(torch.int32), weights.to(dtype), lora_ids, *weights_args, *lora), dict(
         layout=g.layout, activation=g.activation, **bias)
+
+
+def _reference(args: tuple, kwargs: dict, mxfp4: bool = False) -> torch.Tensor:
+    """The layer of ``_inputs``' (args, kwargs) in float32 PyTorch (:func:`..reference.fused_moe_lora_reference`;
+    MXFP4 weights dequantized first): y [T, H] float32."""
+    if mxfp4:
+        from ..mxfp4 import dequantize_mxfp4
+
+        x, ids, weights, lora_ids, b13, s13, b2, s2, *lora = args
+        args = (x, ids, weights, lora_ids, dequantize_mxfp4(b13, s13, torch.float32),
+                dequantize_mxfp4(b2, s2, torch.float32), *lora)
+    up = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    return fused_moe_lora_reference(*map(up, args), **{key: up(value) for key, value in kwargs.items()})
+
+
+def _output_error(args_sets, expected, cfg, mxfp4: bool = False) -> float:
+    """The largest relative error (Frobenius norm) of ``cfg``'s outputs against ``expected`` (:func:`_reference`
+    of each input set); inf where an output is not finite."""
+    launch = fused_moe_lora_mxfp4_triton if mxfp4 else fused_moe_lora_triton
+    worst = 0.0
+    for (args, kwargs), ref in zip(args_sets, expected):
+        out = launch(*args, **kwargs, config=cfg).float()
+        if not torch.isfinite(out).all():
+            return float("inf")
+        worst = max(worst, float((out - ref).norm() / ref.norm().clamp_min(1e-30)))
+    return worst
 
 
 def _time(args_sets, cfg, mxfp4: bool = False) -> float:
@@ -139,14 +171,21 @@ def _candidates(cfg: MoEKernelConfig, T: int, g: MoEGeometry, group: str, mxfp4:
 
 def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig | None = None,
              groups: tuple = GROUPS, mxfp4: bool = False,
-             budget_s: float | None = None) -> tuple[MoEKernelConfig, float, float]:
+             budget_s: float | None = None, device: str = "cuda",
+             dtype: torch.dtype = torch.bfloat16) -> tuple[MoEKernelConfig, float, float]:
     """-> (best config, its us, the starting config's us) for T tokens, rank R; ``start`` defaults to the
-    heuristic config (of the MXFP4 path with ``mxfp4``). ``budget_s``: no new candidate after that many seconds."""
+    heuristic config (of the MXFP4 path with ``mxfp4``). ``budget_s``: no new candidate after that many seconds.
+    ``device`` / ``dtype``: of the inputs (the tests run the CPU interpreter in float32)."""
     t0 = time.time()
-    args_sets = [_inputs(g, T, L, R, seed, mxfp4) for seed in (1, 2)]
+    args_sets = [_inputs(g, T, L, R, seed, mxfp4, device, dtype) for seed in (1, 2)]
     best = start or (default_mxfp4_config if mxfp4 else default_config)(g.E, g.H, g.I, R, T, g.k)
     if best.per_pair_shrink is None:  # a shipped entry from before the field: the heuristic, made explicit
         best = best.replace(per_pair_shrink=best.uses_per_pair_shrink(T * g.k))
+    expected = [_reference(args, kwargs, mxfp4) for args, kwargs in args_sets]
+    error = _output_error(args_sets, expected, best, mxfp4)
+    if not error <= MAX_REL_ERROR:
+        raise RuntimeError(f"{g.name} T={T} R={R}: the starting config's outputs are {error:.3g} off the float32 "
+                           f"reference (relative; the limit is {MAX_REL_ERROR}): {best.to_dict()}")
     best_us = default_us = _time(args_sets, best, mxfp4)
     for group in groups:  # coordinate descent: each group varies the best config so far
         for cfg in _candidates(best, T, g, group, mxfp4):
@@ -156,6 +195,11 @@ def tune_one(g: MoEGeometry, T: int, R: int, L: int = 4, start: MoEKernelConfig 
                 print(f"    budget of {budget_s:.0f} s spent: stopped before {group}", flush=True)
                 return best, best_us, default_us
             try:
+                error = _output_error(args_sets, expected, cfg, mxfp4)
+                if not error <= MAX_REL_ERROR:  # checked before it is timed: a wrong config is never kept
+                    print(f"    {group}: rejected, outputs {error:.3g} off the float32 reference (relative): "
+                          f"{json.dumps(cfg.to_dict())}", flush=True)
+                    continue
                 us = _time(args_sets, cfg, mxfp4)
             except Exception as exc:  # e.g. out of shared memory for a tile/stage combination
                 print(f"    {group}: skipped ({type(exc).__name__})", flush=True)

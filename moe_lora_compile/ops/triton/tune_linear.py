@@ -11,7 +11,8 @@ sets (the weights do not fit in L2, the replay overhead is amortised), ``triton.
 replays, once with every token on an adapter and once with every token ``-1``; the score is the sum of the two (one
 entry serves both: whether a token has an adapter is data). Candidates are compiled first by ``--jobs`` worker
 processes in parallel (Triton's disk cache then serves the timing process); a config that fails to compile or run
-is skipped.
+is skipped, and one whose output is off the float32 reference by more than ``MAX_REL_ERROR`` is rejected before
+it is timed.
 
 Output: progress lines, a summary (us per call, GB/s, % of ``--hbm-tbs``, against the heuristic and the GEMM path),
 and the winners merged into the package's table (``configs/<gpu>_linear.json``, :func:`.configs.read_linear_table`)
@@ -46,6 +47,9 @@ GEMV_PROGRAMS_PER_SM = 4  # the GEMV's split-K candidate: about this many progra
 WARPS_STAGES = {True: ((2, 1), (4, 1), (4, 2), (8, 1), (8, 2)),  # GEMV: num_stages >= 2 = loads one step ahead
                 False: ((4, 2), (4, 3), (4, 4), (8, 3))}  # GEMM: Triton's software pipeline depth
 EXPAND_SLOTS = (1, 4, 8)  # the GEMM's grouped B expand, tried around the best GEMM configs
+# a candidate whose outputs differ more from the float32 reference is rejected before it is timed (bf16 outputs of
+# these inputs are ~3e-3 off; a wrong config, e.g. a miscompiled tile shape, is off by O(1))
+MAX_REL_ERROR = 2e-2
 ACC_PER_THREAD = 64  # GEMV tiles whose fp32 accumulator [BLOCK_T, BLOCK_N, BLOCK_K] needs more registers are skipped
 
 
@@ -203,6 +207,26 @@ def precompile(pool, work: list, chunk: int = 3) -> set:
     return failed
 
 
+def reference(layer: dict, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """One call of ``layer`` (:func:`_layer`) in float32 PyTorch (:func:`..reference.lora_linear_reference`)."""
+    from ..reference import lora_linear_reference
+
+    bias = None if layer["bias"] is None else layer["bias"].float()
+    return lora_linear_reference(x.float(), layer["w"].float(), layer["a"].float(), layer["b"].float(), ids,
+                                 bias=bias)
+
+
+def output_error(layer: dict, x: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor, cfg) -> float:
+    """Relative error (Frobenius norm) of ``cfg``'s output against ``expected`` (:func:`reference`); inf where
+    it is not finite."""
+    from .launch import lora_linear_triton
+
+    out = lora_linear_triton(x, layer["w"], layer["a"], layer["b"], ids, bias=layer["bias"], config=cfg).float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+
+
 def time_config(layers, xs, ids_lora, ids_none, cfg) -> tuple[float, float]:
     """(us per call with every token on an adapter, us per call with every token -1): one CUDA graph of one call
     per layer each, median over replays."""
@@ -303,6 +327,7 @@ def main(argv=None) -> int:
         for i, (s, T) in enumerate(combos, 1):
             xs = [_x(T, s.n_in) for _ in range(a.layers)]
             ids_lora, ids_none = _ids(T, a.slots, True), _ids(T, a.slots, False)
+            expected = reference(layers[s][0], xs[0], ids_lora)
             done = results.setdefault((s, T), {})
             t0, skipped, timed = time.time(), 0, 0
             for label, cfg in cands[s, T]:
@@ -312,11 +337,21 @@ def main(argv=None) -> int:
                     skipped += 1
                     continue
                 try:
+                    error = output_error(layers[s][0], xs[0], ids_lora, expected, cfg)
+                    if not error <= MAX_REL_ERROR:  # never kept, however fast
+                        failed.add((s, T, cfg))
+                        print(f"    rejected {describe(cfg)}: outputs {error:.3g} off the float32 reference "
+                              f"(relative)", flush=True)
+                        continue
                     done[cfg] = (label, *time_config(layers[s], xs, ids_lora, ids_none, cfg))
                     timed += 1
                 except Exception as exc:  # noqa: BLE001  (a config that does not compile or launch)
                     print(f"    skipped {describe(cfg)}: {type(exc).__name__}", flush=True)
             torch.cuda.empty_cache()  # the graphs' private pools
+            if not done:  # every candidate failed or was rejected: the table keeps what it had for this shape
+                print(f"  [{stage} {i}/{len(combos)}] {s.model} {s.proj} {s.n_in}->{s.n_out} T={T}: no candidate "
+                      f"ran correctly; not written", flush=True)
+                continue
             best = min(done, key=lambda c: done[c][1] + done[c][2])
             label, lora_us, none_us = done[best]
             print(f"  [{stage} {i}/{len(combos)}] {s.model} {s.proj} {s.n_in}->{s.n_out} T={T}: {timed} timed"
@@ -325,6 +360,8 @@ def main(argv=None) -> int:
 
     def write() -> None:
         for (s, T), done in results.items():
+            if not done:
+                continue
             best = min(done, key=lambda c: done[c][1] + done[c][2])
             table.setdefault(linear_shape_key(s.n_in, s.n_out, a.rank), {})[str(T)] = best
         for path in paths:
@@ -351,6 +388,9 @@ def main(argv=None) -> int:
           "% | heuristic LoRA us | GEMM-heuristic LoRA us | best GEMM LoRA us |")
     print("|" + "---|" * 14)
     for (s, T), done in results.items():
+        if not done:
+            print(f"| {s.model} | {s.proj} | {s.n_in}->{s.n_out} | {T} | none ran correctly |" + " - |" * 9)
+            continue
         best = min(done, key=lambda c: done[c][1] + done[c][2])
         _, lora_us, none_us = done[best]
         by_label = lambda lab: min((v[1] for v in done.values() if v[0] == lab), default=float("nan"))
