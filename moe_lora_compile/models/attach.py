@@ -193,9 +193,12 @@ class MultiLoRAModel(nn.Module):
         for leader in self._fused_leaders:
             if not fused_views_intact(leader):
                 raise RuntimeError(
-                    "model: the fused buffers no longer alias the fused linears' weights and LoRA buffers (was the "
-                    "wrapped model moved or cast by itself, e.g. mm.model.to(...)?); move the MultiLoRAModel "
-                    "(mm.to(...)), which keeps them fused, or attach without fusion (fuse=False, fuse_qkv=False)")
+                    "model: the fused buffers no longer alias the fused linears' weights and LoRA buffers, which "
+                    "their forward reads (was the wrapped model moved or cast by itself, e.g. mm.model.to(...)? or "
+                    "a member's weight or bias re-bound, e.g. k_proj.weight = nn.Parameter(w) or .data = w?); move "
+                    "the MultiLoRAModel (mm.to(...)), which keeps them fused, change weights in place "
+                    "(k_proj.weight.copy_(w) under torch.no_grad()), or attach without fusion (fuse=False, "
+                    "fuse_qkv=False)")
 
     def _experts_target(self, module: nn.Module) -> ExpertsTarget:
         E, H, I = experts_geometry(module, self.family.layout)
@@ -449,6 +452,8 @@ class MultiLoRAModel(nn.Module):
         # self.model called directly, not from mm(...) / generate / manual ids (compiled steps: DecodeGraphs and
         # RowGraphs, which hold the lock; traced, so no lock calls there)
         direct = not torch.compiler.is_compiling() and not self.lock._is_owned()
+        if self._fused_leaders and not torch.compiler.is_compiling():
+            self._check_fusion()  # (before the lock) a re-bound member weight would be ignored by the fused forward
         if direct:  # wait for a call running in another thread; run without its adapters (released after the run)
             self.lock.acquire()
             self._direct.depth = getattr(self._direct, "depth", 0) + 1

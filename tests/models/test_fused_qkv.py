@@ -14,7 +14,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from moe_lora_compile.models import attach
-from moe_lora_compile.models.dense import LoRALinear, fused_members, fused_views_intact
+from moe_lora_compile.models.dense import LoRALinear, fused_members, fused_views_intact, point_fused_views
 from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
 
 FAMILIES = [
@@ -283,6 +283,38 @@ def test_move_keeps_fusion_and_moving_the_inner_model_refuses(pair):
         mm.load_adapter("c", pair["root"] / "c")
     with pytest.raises(RuntimeError, match="mm.to"):
         mm.unload_adapter("a")
+
+
+def test_member_weights_changed_in_place_or_rebound(pair):
+    """In place (copy_) the fused forward reads the new weight; re-bound (a new Parameter, or .data =) it would
+    not: the next forward refuses instead of computing with the old one."""
+    if pair["family"] != "qwen2_moe":
+        pytest.skip("one family (biases)")
+    plain, fused = (attach(copy.deepcopy(pair["base"]), max_loras=3, max_rank=MAX_RANK, fuse_qkv=fuse)
+                    for fuse in (False, True))
+    for mm in (plain, fused):
+        mm.load_adapter("a", pair["root"] / "a")
+    attention = lambda mm: mm.model.model.layers[0].self_attn
+    new_weight = torch.randn_like(attention(plain).k_proj.weight)
+    new_bias = torch.randn_like(attention(plain).v_proj.bias)
+    with torch.no_grad():
+        for mm in (plain, fused):
+            attention(mm).k_proj.weight.copy_(new_weight)
+            attention(mm).v_proj.bias.copy_(new_bias)
+    expected = _logits(plain, pair["ids"], ["a", None, "a"])
+    assert (expected - _logits(pair["plain"], pair["ids"], ["a", None, "a"])).abs().max() > 1e-2  # it matters
+    torch.testing.assert_close(_logits(fused, pair["ids"], ["a", None, "a"]), expected, rtol=0, atol=1e-5)
+    k_proj = attention(fused).k_proj
+    for rebind in (lambda: setattr(k_proj, "weight", torch.nn.Parameter(new_weight * 2)),
+                   lambda: setattr(k_proj.weight, "data", new_weight * 2),
+                   lambda: setattr(attention(fused).v_proj.bias, "data", new_bias * 2)):
+        rebind()
+        for call in (lambda: _logits(fused, pair["ids"], ["a", None, "a"]),
+                     lambda: fused.model(pair["ids"])):  # the wrapped model called directly too
+            with pytest.raises(RuntimeError, match="re-bound"):
+                call()
+        assert not fused.lock._is_owned()  # refused before the lock was taken
+        point_fused_views(fused._fused_leaders[0])  # (restore for the next case)
 
 
 @pytest.mark.parametrize("family,target_modules,fused", [
