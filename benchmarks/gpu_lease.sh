@@ -11,8 +11,11 @@
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh layer     # the MoE layer's grids: mixed ranks, MXFP4, the bf16 grid
 #   OUT=/tmp/out bash benchmarks/gpu_lease.sh decode_ab # ours_none / ours_lora of GPT-OSS-20B once per variant of
 #                                                       # the environment (AB_VARIANTS, ';'-separated), one process each
+#   OUT=/tmp/out bash benchmarks/gpu_lease.sh base      # issue 16: vLLM's own base kernel beside ours
+#                                                       # (bench_vllm_base.py; carry .whl/vllm_src), before and after
+#                                                       # tuning our bf16 path at T 512 / 2048 (TUNE_TOKENS)
 set -uo pipefail
-CALL=${1:?tests|serving|decode|decode2|layer|decode_ab}
+CALL=${1:?tests|serving|decode|decode2|layer|decode_ab|base}
 OUT=${OUT:-/tmp/moe_lora_out}
 W="$OUT/$CALL"; export W
 mkdir -p "$W"
@@ -164,6 +167,24 @@ decode_ab)
     grep -h "tok/s" "$W/ab_$i.log" | tail -6
     i=$((i + 1))
   done
+  ;;
+base)
+  # vLLM's fused_moe_kernel (its source from the carried wheel, unchanged) against our layer without LoRA; on the
+  # H100 (2026-12-07) ours was 1.37-1.48x vLLM at T=2048 on the heuristic's 64-wide, 4-warp tiles, with no tuned
+  # bf16 entry there. The tuner merges into the package's table of this GPU (a copy comes back), then the same
+  # comparison runs again on the tuned entries.
+  VSRC=${VLLM_SRC:-.whl/vllm_src}
+  step vllm_base_before "${BASE_LIMIT:-100}" python3 benchmarks/bench_vllm_base.py --vllm-src "$VSRC" \
+    --json "$W/vllm_base_before.json" --md "$W/vllm_base_before.md"
+  for model in ${TUNE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+    # shellcheck disable=SC2086  # TUNE_TOKENS is a list of words
+    step "tune_$model" "${TUNE_LIMIT:-170}" python3 -m moe_lora_compile tune --model "$model" \
+      --tokens ${TUNE_TOKENS:-512 2048} --ranks 16 --budget-s "${TUNE_BUDGET:-140}"
+  done
+  cp moe_lora_compile/configs/NVIDIA_*.json "$W/" 2>/dev/null
+  step vllm_base_after "${BASE_LIMIT:-100}" python3 benchmarks/bench_vllm_base.py --vllm-src "$VSRC" \
+    --json "$W/vllm_base_after.json" --md "$W/vllm_base_after.md"
+  tail -20 "$W"/vllm_base_before.md "$W"/vllm_base_after.md 2>/dev/null
   ;;
 esac
 cp "$W"/*.md "$W"/*.png "$OUT/" 2>/dev/null
