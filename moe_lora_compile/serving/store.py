@@ -201,59 +201,74 @@ class AdapterStore:
         wanted = _distinct(names)
         with self._lock:
             self._check_known(wanted)
-            self._sync()
-            missing = [n for n in wanted if n not in self._lru]
-            self._refuse_direct_loads(missing)  # before minutes of parsing; checked again under mm.lock below
-            # parse first (may fail: nothing changed yet); committed to the entries once all parsed
-            parsed, parse_seconds, recast = {}, 0.0, {}
-            for n in missing:
-                if self._entries[n].weights is None:
-                    parsed[n], seconds = self._parse(self._entries[n])
-                    parse_seconds += seconds
-                else:  # a host copy parsed before the model was cast (mm.half()): checked and cast again
-                    current = self.mm.parse_adapter(self._entries[n].weights)
-                    if current is not self._entries[n].weights:
-                        recast[n] = self._host_copy(current)
-            with self.mm.lock:  # no pin, load or unload in mm between the plan and the writes
-                self._refuse_direct_loads(missing)  # another thread's mm.load_adapter while the folders parsed
-                for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a request
-                    self._entries[n].weights = weights  # waiting for a slot does not re-read its folder each retry
-                self._counters.disk_loads += len(parsed)
-                self._counters.parse_seconds += parse_seconds
-                free = self._free_slots()
-                evictable = [n for n in self._lru if not self._pinned(n) and n not in wanted]
-                if len(missing) > len(free) + len(evictable):
-                    raise NoFreeSlot(self._full_message(wanted, missing, free),
-                                     held=[n for n in self._lru if self._pinned(n)])
-                plan = []
+            prepared: set[str] = set()  # names whose host copy is parsed and checked against mm's dtype
+            while True:  # once, unless another thread unloads or replaces a resident name while folders parse
+                self._sync()
+                missing = [n for n in wanted if n not in self._lru]
+                self._refuse_direct_loads(missing)  # before minutes of parsing; checked again under mm.lock below
+                # parse first (may fail: nothing changed yet); committed to the entries once all parsed
+                parsed, parse_seconds, recast = {}, 0.0, {}
                 for n in missing:
-                    if free:
-                        plan.append((n, free.pop(0), None))
-                    else:
-                        victim = evictable.pop(0)
-                        plan.append((n, self._lru[victim], victim))
-                # from here on nothing is expected to fail
-                c = self._counters
-                for n, slot, victim in plan:
-                    weights = self._entries[n].weights
-                    start = time.perf_counter()
-                    self._write(n, slot, victim, weights)
-                    c.load_seconds += time.perf_counter() - start
-                    c.loads += 1
-                    c.bytes_copied += weights.nbytes
-                    if victim is not None:
-                        c.evictions += 1
-                        del self._lru[victim]
-                        del self._written[victim]
-                    self._lru[n] = slot
-                    self._written[n] = self.mm.slots.writes(slot)
-                for n in wanted:
-                    self._lru.move_to_end(n)
-                    self._in_use[n] = self._in_use.get(n, 0) + 1
-                    self.mm._pin_adapter(n)  # mm refuses to unload or replace it while held
-                c.hits += len(wanted) - len(missing)
-                c.misses += len(missing)
-            return [NO_ADAPTER if n is None else self._lru[n] for n in names]
+                    if n in prepared:
+                        continue
+                    if self._entries[n].weights is None:
+                        parsed[n], seconds = self._parse(self._entries[n])
+                        parse_seconds += seconds
+                    else:  # a host copy parsed before the model was cast (mm.half()): checked and cast again
+                        current = self.mm.parse_adapter(self._entries[n].weights)
+                        if current is not self._entries[n].weights:
+                            recast[n] = self._host_copy(current)
+                prepared.update(missing)
+                with self.mm.lock:  # no pin, load or unload in mm between the plan and the writes
+                    # what another thread did in mm while the folders parsed: a direct load of a store name is
+                    # refused; a direct unload or replace of a resident one makes it no longer the store's (_sync)
+                    self._sync()
+                    missing = [n for n in wanted if n not in self._lru]
+                    self._refuse_direct_loads(missing)
+                    for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a
+                        self._entries[n].weights = weights  # waiting request does not re-read its folder
+                    self._counters.disk_loads += len(parsed)
+                    self._counters.parse_seconds += parse_seconds
+                    if not set(missing) <= prepared:  # a resident name dropped meanwhile: prepare it, unlocked
+                        continue
+                    return self._commit(names, wanted, missing)
+
+    def _commit(self, names, wanted: list[str], missing: list[str]) -> list[int]:
+        """:meth:`acquire`'s plan and writes, under both locks, every name of ``missing`` prepared."""
+        free = self._free_slots()
+        evictable = [n for n in self._lru if not self._pinned(n) and n not in wanted]
+        if len(missing) > len(free) + len(evictable):
+            raise NoFreeSlot(self._full_message(wanted, missing, free),
+                             held=[n for n in self._lru if self._pinned(n)])
+        plan = []
+        for n in missing:
+            if free:
+                plan.append((n, free.pop(0), None))
+            else:
+                victim = evictable.pop(0)
+                plan.append((n, self._lru[victim], victim))
+        # from here on nothing is expected to fail
+        c = self._counters
+        for n, slot, victim in plan:
+            weights = self._entries[n].weights
+            start = time.perf_counter()
+            self._write(n, slot, victim, weights)
+            c.load_seconds += time.perf_counter() - start
+            c.loads += 1
+            c.bytes_copied += weights.nbytes
+            if victim is not None:
+                c.evictions += 1
+                del self._lru[victim]
+                del self._written[victim]
+            self._lru[n] = slot
+            self._written[n] = self.mm.slots.writes(slot)
+        for n in wanted:
+            self._lru.move_to_end(n)
+            self._in_use[n] = self._in_use.get(n, 0) + 1
+            self.mm._pin_adapter(n)  # mm refuses to unload or replace it while held
+        c.hits += len(wanted) - len(missing)
+        c.misses += len(missing)
+        return [NO_ADAPTER if n is None else self._lru[n] for n in names]
 
     def _refuse_direct_loads(self, missing: Sequence[str]) -> None:
         """ValueError if a store name not in a slot of ours is loaded into ``mm`` directly (mm.load_adapter):

@@ -401,6 +401,58 @@ def test_a_direct_load_while_acquire_parses_changes_nothing(setup):
                                torch.cat([setup["truth"]["a"][:1], setup["truth"]["b"][:1]]), rtol=1e-5, atol=1e-5)
 
 
+def _race_while_parsing(mm, setup, folder: str, action) -> None:
+    """mm.parse_adapter runs ``action`` in another thread (and waits for it) after parsing ``folder``."""
+    parse = mm.parse_adapter
+
+    def parse_then_race(source):
+        out = parse(source)
+        if source == setup["paths"][folder]:
+            thread = threading.Thread(target=action)
+            thread.start()
+            thread.join()
+        return out
+
+    mm.parse_adapter = parse_then_race
+
+
+def test_a_direct_unload_while_acquire_parses(setup):
+    """Another thread unloads a resident, unheld store adapter from mm directly while acquire parses folders: the
+    freed slot serves the request. The store re-read mm only before parsing, so its plan gave that slot twice (free,
+    and as the unloaded adapter's) and acquire died half-way with a KeyError for an adapter nobody asked for, one
+    adapter written and its load counted."""
+    mm, store = _store(setup, max_loras=2)
+    store.acquire(["a", "b"])
+    store.release(["a", "b"])
+    _race_while_parsing(mm, setup, "c", lambda: mm.unload_adapter("a"))
+    slots = store.acquire(["c", "d"])  # c into a's freed slot, d evicts b
+    mm.parse_adapter = type(mm).parse_adapter.__get__(mm)
+    assert sorted(slots) == [0, 1] and set(store.resident) == {"c", "d"} and set(mm.adapters) == {"c", "d"}
+    assert store.in_use == {"c": 1, "d": 1}
+    counters = store.counters
+    assert (counters.loads, counters.evictions, counters.misses, counters.hits) == (4, 1, 4, 0)
+    store.release(["c", "d"])
+    torch.testing.assert_close(_logits(mm, store, setup, ["c", "d"]),
+                               torch.cat([setup["truth"]["c"][:1], setup["truth"]["d"][:1]]), rtol=1e-5, atol=1e-5)
+
+
+def test_a_direct_replace_while_acquire_parses_is_kept(setup):
+    """Another thread hot-swaps a resident, unheld store adapter in mm directly (replace=True) while acquire parses:
+    the name is the user's direct load from then on, never evicted by the store (as without the race: NoFreeSlot
+    with one slot). The store evicted it as its own, and the user's load was gone without a word."""
+    mm, store = _store(setup, max_loras=1)
+    store.acquire(["a"])
+    store.release(["a"])
+    _race_while_parsing(mm, setup, "b", lambda: mm.load_adapter("a", setup["paths"]["c"], replace=True))
+    with pytest.raises(NoFreeSlot):
+        store.acquire(["b"])
+    mm.parse_adapter = type(mm).parse_adapter.__get__(mm)
+    assert mm.adapters == {"a": 0} and store.resident == {} and store.in_use == {}
+    with torch.no_grad():  # still the user's adapter: c's weights under the name a
+        torch.testing.assert_close(mm(setup["input_ids"][:1], adapters=["a"], use_cache=False).logits,
+                                   setup["truth"]["c"][:1], rtol=1e-5, atol=1e-5)
+
+
 def test_held_adapters_are_pinned_in_the_model(setup):
     """acquire pins (mm refuses to unload or replace the adapter), release unpins; a waiting request's folder is read
     once however often it finds no slot."""
