@@ -8,7 +8,9 @@ Requests join and leave between decode steps. Each engine step (:meth:`ServingEn
    :class:`~moe_lora_compile.serving.AdapterStore`: an adapter not in a slot is copied in on the store's side stream
    while the step computes (into a slot no live request holds, after the GPU work that last read it); a request
    whose adapter finds no slot waits, and at most ``max_bypass`` later requests that need a slot overtake it (then
-   only requests without an adapter do, until it gets one);
+   only requests without an adapter do, until it gets one). Under ``schedule="grouped"`` at most ``max_bypass``
+   requests of the live adapter overtake the oldest waiting request of another adapter; then the group drains and
+   that request's adapter is next;
 3. launches up to ``prefill_chunk`` prompt tokens of the admitted requests (a long prompt takes several steps, so
    the running requests keep decoding beside it; the prefill waits on the GPU for its adapter's copy);
 4. waits for the step's tokens (a host sync), streams them, and retires finished requests (row freed, adapter
@@ -209,8 +211,10 @@ class ServingEngine:
                  pad_token_id: Optional[int] = None):
         if store is not None and store.mm is not mm:
             raise ValueError("store: the AdapterStore serves another model (store.mm is not mm)")
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:  # (max_bypass's default)
+            raise ValueError(f"max_rows must be an int >= 1, got {max_rows!r}")
         max_bypass = max_rows if max_bypass is None else max_bypass
-        if not isinstance(max_bypass, int) or max_bypass < 0:
+        if not isinstance(max_bypass, int) or isinstance(max_bypass, bool) or max_bypass < 0:
             raise ValueError(f"max_bypass must be an int >= 0, got {max_bypass!r}")
         if draft is not None and not callable(draft):
             raise ValueError(f"draft must be callable (handles, k) -> [len(handles), k] token ids, got {draft!r}")
@@ -244,6 +248,7 @@ class ServingEngine:
         self._free_rows = list(range(max_rows))
         self._blocked: Optional[RequestHandle] = None  # the oldest waiting request that found no slot (_admit)
         self._bypassed = 0  # requests that need a slot admitted past it since
+        self._group_bypassed = 0  # "grouped": requests admitted past an older one of another adapter, this group
         self._stalled = False  # the last step left requests waiting and none live (see STALL_WAIT_S)
         self._next_id = 0
         self._thread: Optional[threading.Thread] = None
@@ -283,6 +288,7 @@ class ServingEngine:
         run until all have finished; returns their handles (``handle.tokens``, ``handle.finish_reason``).
         :class:`RequestsFailed` (a RuntimeError) when one failed (e.g. its adapter did not load): the others still
         finished, and its ``handles`` holds every handle."""
+        self._check_not_in_step("generate_many")  # (before queueing: refused, it leaves nothing behind)
         requests = [r if isinstance(r, Request) else Request(**r) for r in requests]
         handles = [self._handle(r) for r in requests]
         self._queue(handles)
@@ -332,6 +338,8 @@ class ServingEngine:
                            and all(_is_int(t) for t in s) for s in r.stop)):
             raise ValueError(f"stop must be a list of non-empty token-id sequences (e.g. [[13, 13]]), got {r.stop!r}")
         stop = tuple(tuple(int(t) for t in s) for s in r.stop)
+        if any(not 0 <= t < self.vocab_size for s in stop for t in s):  # as eos_token_ids: it could never match
+            raise ValueError(f"stop {r.stop!r}: ids outside the vocabulary [0, {self.vocab_size})")
         if r.on_token is not None and not callable(r.on_token):
             raise ValueError(f"on_token must be callable, got {r.on_token!r}")
         self._check_adapter(r.adapter)
@@ -505,6 +513,8 @@ class ServingEngine:
             adapter = handle.request.adapter
             if group is not _ANY and adapter != group:
                 continue
+            if group is not _ANY and self._overtakes_other_group(handle):
+                break  # the group is closed to later requests: it drains, then the oldest one's adapter is next
             passed = passed or handle is blocked
             needs_slot = adapter is not None and self.store is not None and adapter in self.store
             if passed and handle is not blocked and needs_slot and self._bypassed >= self.max_bypass:
@@ -525,12 +535,15 @@ class ServingEngine:
             except Exception as error:  # the adapter failed to load: this request fails, nothing else changes
                 self._fail_waiting(handle, error)
             else:
+                oldest = self._waiting[0]
                 self._waiting.remove(handle)
                 if passed and handle is not blocked and needs_slot:
                     self._bypassed += 1
                 self._prefilling.append(_Live(handle, self._free_rows.pop(0), slot, held))
                 if group is not _ANY:
                     group = adapter
+                    if oldest.request.adapter != adapter:  # overtook an older request of another adapter
+                        self._group_bypassed += 1
             if handle is blocked:  # it left the queue (served or failed): the later ones overtake nobody now
                 blocked, passed, self._bypassed = None, False, 0
         self._blocked = blocked
@@ -547,7 +560,15 @@ class ServingEngine:
         live = [*self._prefilling, *self._running.values()]
         if live:
             return live[0].handle.request.adapter
+        self._group_bypassed = 0  # a new group
         return self._waiting[0].request.adapter if self._waiting else _ANY
+
+    def _overtakes_other_group(self, handle: RequestHandle) -> bool:
+        """``"grouped"``: admitting ``handle`` would overtake an older waiting request of another adapter once more
+        than ``max_bypass`` requests of this group did."""
+        oldest = self._waiting[0]
+        return (oldest is not handle and oldest.request.adapter != handle.request.adapter
+                and self._group_bypassed >= self.max_bypass)
 
     def _acquire(self, adapter) -> tuple[int, bool]:
         """The adapter's slot for a request being admitted (paged in through the store, or loaded in ``mm``
@@ -743,7 +764,7 @@ class ServingEngine:
                 self._finish_handle(handle, "error")
 
 
-_ANY = object()
+_ANY = object()  # "mixed": every waiting request may be admitted
 
 
 def _is_int(x) -> bool:

@@ -204,6 +204,29 @@ def test_grouped_schedule_serves_one_adapter_at_a_time(setup):
     assert all(len(s) <= 1 for s in adapters_per_step)
 
 
+@pytest.mark.parametrize("max_bypass", [0, 1, 2])
+def test_grouped_schedule_bounds_how_often_a_request_is_overtaken(setup, max_bypass):
+    """schedule="grouped", two rows: request 1 (alpha, long) opens alpha's group, request 2 (beta) waits, requests
+    3.. (alpha) keep coming. At most ``max_bypass`` of them start before request 2; then alpha's group drains and
+    beta's is next. Before, alpha's group stayed open while any alpha request was live: all six started first, and
+    steady alpha traffic kept beta waiting forever. Every request's tokens still equal it alone."""
+    engine = _engine(setup.model, schedule="grouped", max_rows=2, max_bypass=max_bypass)
+    started = []
+
+    def on_token(handle, token):
+        if len(handle.tokens) == 1:
+            started.append(handle.id)
+
+    adapters = ["alpha", "beta"] + ["alpha"] * 6
+    requests = [Request(setup.prompts[i % len(setup.prompts)], adapter=a, max_new_tokens=12 if i == 0 else 3,
+                        eos_token_ids=(), on_token=on_token) for i, a in enumerate(adapters)]
+    handles = engine.generate_many(requests)
+    ids = [h.id for h in handles]
+    assert started.index(ids[1]) == 1 + max_bypass, (started, ids)
+    for h, r in zip(handles, requests):
+        assert h.tokens == alone(setup.model, list(r.prompt_ids), r.adapter, r.max_new_tokens, eos=[])
+
+
 def test_submit_errors_change_nothing(setup):
     mm = setup.model
     engine = _engine(mm)
@@ -221,7 +244,10 @@ def test_submit_errors_change_nothing(setup):
                             (dict(stop=[5, 6]), r"e\.g\. \[\[13, 13\]\]"),  # a flat list: a bare TypeError before
                             (dict(temperature=True), "temperature"), (dict(top_p=True), "top_p"),  # bools
                             (dict(eos_token_ids=[10**9]), "outside the vocabulary"),
-                            (dict(temperature=10**400), "temperature")]:  # past float's range: OverflowError
+                            (dict(temperature=10**400), "temperature"),  # past float's range: OverflowError
+                            # stop ids no token can be: accepted before, a stop that never matched
+                            (dict(stop=[[128]]), r"stop \[\[128\]\]: ids outside the vocabulary"),
+                            (dict(stop=[[-7, 5]]), "stop .* outside the vocabulary")]:
         with pytest.raises(ValueError, match=message):
             engine.submit(**{"prompt_ids": p, "max_new_tokens": 4, **kwargs})
     with pytest.raises(KeyError, match="nope"):  # one bad request: none of the list is queued
@@ -229,6 +255,11 @@ def test_submit_errors_change_nothing(setup):
     assert engine.idle and engine._next_id == 0  # ids are given when queued
     with pytest.raises(ValueError, match="schedule"):
         ServingEngine(mm, schedule="fifo", log=None)
+    for max_rows in (-1, 2.0, True):  # named max_bypass (its default) before
+        with pytest.raises(ValueError, match="max_rows must be an int >= 1"):
+            ServingEngine(mm, max_rows=max_rows, log=None)
+    with pytest.raises(ValueError, match="max_bypass must be an int >= 0"):
+        ServingEngine(mm, max_bypass=True, log=None)
     other = AdapterStore(attach(copy.deepcopy(setup.base)))
     with pytest.raises(ValueError, match="another model"):
         ServingEngine(mm, other, log=None)
@@ -438,6 +469,25 @@ def test_waiting_inside_a_callback_is_an_error_not_a_deadlock(setup):
     assert waiting.finish_reason == "error"
     with pytest.raises(RuntimeError, match="inside an engine step"):
         waiting.result()
+
+
+def test_generate_many_inside_a_callback_queues_nothing(setup):
+    """on_token calling generate_many is refused (it would wait for its own step) before its requests are queued:
+    they ran anyway before, orphaned (the caller never got their handles)."""
+    engine = _engine(setup.model)
+    refused = []
+
+    def on_token(handle, token):
+        try:
+            engine.generate_many([Request(setup.prompts[0], max_new_tokens=30, eos_token_ids=())])
+        except RuntimeError as error:
+            refused.append(str(error))
+        assert engine._next_id == 1 and not engine._waiting  # nothing queued
+
+    handle = engine.submit(setup.prompts[1], adapter=WORK[1][1], max_new_tokens=3, on_token=on_token)
+    assert handle.result() == setup.want[1][:3]
+    assert len(refused) == 3 and "generate_many was called from inside an engine step" in refused[0]
+    assert engine.idle and engine.tokens_generated == 3
 
 
 def test_stepping_inside_a_callback_is_an_error_not_a_deadlock(setup):
