@@ -455,6 +455,7 @@ def load_peft_adapter(
     dtype: Union[torch.dtype, Mapping[str, torch.dtype]] = torch.float32,
     model_type: Optional[str] = None,
     model_module: Optional[str] = None,
+    dropped: frozenset = frozenset(),
 ) -> dict[str, ModuleLoRA]:
     """Read and fully validate the adapter at ``path`` against the base model's targets.
 
@@ -462,7 +463,8 @@ def load_peft_adapter(
     ``aliases`` renames module path segments of older checkpoints (``{"block_sparse_moe": "mlp"}``); ``dtype``: the
     slot dtype (one, or per module name) the factors are returned in and validated for; ``model_type``: the base
     model's ``config.model_type`` and ``model_module`` its class's module (``transformers.models.<name>.modeling_<name>``,
-what PEFT records), compared with the base the folder records (:func:`check_base_model`). Raises
+what PEFT records), compared with the base the folder records (:func:`check_base_model`); ``dropped``: module
+    names whose LoRA pairs are skipped (linears of zero width, whose delta is empty or zero). Raises
     FileNotFoundError / ValueError naming the folder, the file and the problem; returns
     ``{module name: ExpertsLoRA | LinearLoRA}``.
     """
@@ -472,7 +474,8 @@ what PEFT records), compared with the base the folder records (:func:`check_base
         # float32 holds any float16 / bfloat16 / float32 slot's result of the scaling exactly enough; float64 slots
         # get float64 factors, scaled in float64 (parsed in float32, they were 1e-7 off PEFT's float64 model)
         parse_dtype = torch.float64 if torch.float64 in dtypes else torch.float32
-        result = _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases or {}, parse_dtype)
+        result = _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases or {}, parse_dtype,
+                               dropped)
         if model_type is not None:
             check_base_model(config, model_type, model_module=model_module, has_experts=any(isinstance(m, ExpertsLoRA) for m in result.values()),
                              experts_layout=next((t.layout for t in experts_targets.values()), None))
@@ -538,7 +541,7 @@ def check_base_model(config: AdapterConfig, model_type: str, *, has_experts: boo
 
 
 def _load_modules(path, config, experts_targets, linear_targets, max_rank, aliases,
-                  parse_dtype: torch.dtype = torch.float32) -> dict[str, ModuleLoRA]:
+                  parse_dtype: torch.dtype = torch.float32, dropped: frozenset = frozenset()) -> dict[str, ModuleLoRA]:
     """The body of :func:`load_peft_adapter`: factors in ``parse_dtype``, scaled, checked against the targets."""
     pairs = _pair_keys(_read_adapter_weights(path, parse_dtype))
     if not pairs:  # loading it would serve the base model under the adapter's name, silently
@@ -557,6 +560,8 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
                 f"names read as {', '.join(f'{old!r} -> {new!r}' for old, new in aliases.items())}); "
                 f"one would silently replace the other: keep one of them")
         renamed_from[name] = module
+        if name in dropped:
+            continue
         if name in linear_targets:
             result[name] = _linear_lora(module, a, b, linear_targets[name], config)
             continue
@@ -590,6 +595,7 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
         result[name] = _experts_from_3d(entries, experts_targets[name], config, name)
     for name, leaves in per_expert.items():
         result[name] = _experts_from_per_expert(leaves, experts_targets[name], config)
+    _warn_per_expert_patterns(config, per_expert)
 
     _warn_untouched_targets(config, result, experts_targets, linear_targets)
     for name, lora in result.items():
@@ -602,6 +608,25 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
                 raise _weights_error(f"rank {t.shape[-2]} of {name!r}{part}{stacked} exceeds max_rank={max_rank} "
                                      f"(attach with a larger max_rank)")
     return result
+
+
+def _warn_per_expert_patterns(config: AdapterConfig, per_expert: dict) -> None:
+    """Warn when ``rank_pattern`` / ``alpha_pattern`` give the experts of one projection different ranks or
+    scalings (keys naming single experts, e.g. ``experts.3.w3``, in a transformers-4 per-expert folder): applied
+    here per expert, as the adapter was trained; PEFT (0.21, 0.22) loads such folders into its 3-D expert
+    wrapper, one rank and scaling per projection, and drops those keys (its warning: they matched no module), so its
+    outputs differ from ours on those experts."""
+    varied = set()  # projection names (w1, gate_proj, ...)
+    for leaves in per_expert.values():  # {leaf: {expert index: (module, A, B)}}
+        for leaf, experts in leaves.items():
+            if len({(config.rank_of(m), config.scaling_of(m)) for m, _, _ in experts.values()}) > 1:
+                varied.add(leaf)
+    varied = sorted(varied)
+    if varied:
+        warnings.warn(f"adapter_config.json's rank_pattern / alpha_pattern give single experts their own rank or "
+                      f"scaling (projections {varied}): applied per expert, as the adapter was trained; PEFT loads "
+                      f"per-expert folders into its 3-D expert weights with one rank and scaling per projection and "
+                      f"drops such keys, so PEFT's outputs differ from these on those experts", stacklevel=4)
 
 
 def _warn_untouched_targets(config: AdapterConfig, result: dict[str, ModuleLoRA], experts_targets, linear_targets

@@ -38,7 +38,7 @@ from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intac
                     point_fused_views)
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
                       register_experts_implementation)
-from .families import Family, family_for, find_dense_targets, find_experts
+from .families import Family, family_for, find_dense_targets, find_experts, find_zero_width_targets
 from .routers import fuse_routers, verified_spec
 
 
@@ -101,6 +101,7 @@ class MultiLoRAModel(nn.Module):
         self._checked_dtypes, self._nonfinite = self.slots.dtypes(), {}  # see _nonfinite_adapters
         self._experts_targets = {name: self._experts_target(m) for name, m in experts.items()}
         self._linear_targets = {name: LinearTarget(m.in_features, m.out_features) for name, m in linears.items()}
+        self._zero_width = find_zero_width_targets(model, family, target_modules)  # (their factors are dropped)
         self._aliases = {old: family.block_attr for old in family.legacy_block_attrs}
         self._hook = model.register_forward_pre_hook(self._fill_token_lora_ids, with_kwargs=True)
         # a direct call of self.model takes self.lock for its whole run (released even if it raises)
@@ -271,7 +272,8 @@ class MultiLoRAModel(nn.Module):
             return AdapterWeights(load_peft_adapter(path, self._experts_targets, self._linear_targets,
                                                     max_rank=self.max_rank, aliases=self._aliases, dtype=dtypes,
                                                     model_type=getattr(self.model.config, "model_type", None),
-                                                    model_module=type(self.model).__module__), owner=self.slots,
+                                                    model_module=type(self.model).__module__,
+                                                    dropped=self._zero_width), owner=self.slots,
                                   path=path)
         if not isinstance(source, Mapping):
             raise TypeError(f"path must be a PEFT adapter folder (str or os.PathLike) or parsed factors (a dict "

@@ -112,13 +112,22 @@ def find_dense_targets(model: nn.Module, family: Family, target_modules=None) ->
     ``target_modules`` (leaf names) narrows the family's default list; the LM head and embeddings are never targets,
     nor are linears of zero width (a shared expert a config turns off with ``shared_expert_intermediate_size=0`` /
     ``n_shared_experts=0``: the model adds nothing from it; wrapped, its first forward failed)."""
+    return {name: module for name, module in _dense_linears(model, family, target_modules).items()
+            if module.in_features > 0 and module.out_features > 0}
+
+
+def find_zero_width_targets(model: nn.Module, family: Family, target_modules=None) -> frozenset[str]:
+    """Names of the linears :func:`find_dense_targets` leaves out for their zero width. PEFT adapts them; their LoRA
+    delta is empty (no output) or zero (no input), so an adapter's factors for them are dropped at load."""
+    return frozenset(name for name, module in _dense_linears(model, family, target_modules).items()
+                     if module.in_features == 0 or module.out_features == 0)
+
+
+def _dense_linears(model: nn.Module, family: Family, target_modules) -> dict[str, nn.Linear]:
     allowed = tuple(family.dense_targets) if target_modules is None else tuple(target_modules)
     unknown = sorted(set(allowed) - set(family.dense_targets))
     if unknown:
         raise ValueError(f"target_modules: {unknown} are not dense LoRA targets of {family.name}; "
                          f"choose from {list(family.dense_targets)}")
-    return {
-        name: module for name, module in model.named_modules()
-        if type(module) is nn.Linear and ".layers." in f".{name}" and name.rpartition(".")[2] in allowed
-        and module.in_features > 0 and module.out_features > 0
-    }
+    return {name: module for name, module in model.named_modules()
+            if type(module) is nn.Linear and ".layers." in f".{name}" and name.rpartition(".")[2] in allowed}

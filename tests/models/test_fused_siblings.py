@@ -338,3 +338,34 @@ def test_zero_width_shared_experts_are_no_targets(family, overrides, use_ops):
         want = base(ids).logits
         mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4, use_ops=use_ops)
         torch.testing.assert_close(mm(ids, adapters=[None, None]).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0)),  # PEFT adapts the zero-width shared-expert linears
+])
+def test_an_adapter_of_zero_width_linears_loads_and_equals_peft(tmp_path, family, overrides):
+    """PEFT adapts the zero-width linears of a turned-off shared expert and serves the adapter (their delta is
+    empty or zero): so do we, dropping those pairs; logits equal PEFT's per row. The folder was refused, naming an
+    existing module "not a LoRA target"."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
+    config = tiny_lora_config(family, target_modules=["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    randomize_lora_(peft_model, seed=3)
+    peft_model.save_pretrained(tmp_path / "a")
+    saved = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert any("shared_expert.up_proj.lora_B" in k and 0 in v.shape for k, v in saved.items())
+    from peft import PeftModel
+
+    reference = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "a").eval()
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4)
+    mm.load_adapter("a", tmp_path / "a")
+    parsed = mm.parse_adapter(tmp_path / "a")
+    assert parsed and not any("shared_expert" in name for name in parsed)  # the zero-width pairs dropped
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = mm(ids, adapters=["a", None]).logits
+        torch.testing.assert_close(ours[:1], reference(input_ids=ids[:1]).logits, rtol=1e-5, atol=1e-5)
+        with reference.disable_adapter():
+            torch.testing.assert_close(ours[1:], reference(input_ids=ids[1:]).logits, rtol=1e-5, atol=1e-5)
+        assert (ours[0] - base(ids[:1]).logits[0]).abs().max() > 1e-2  # the adapter changes something
