@@ -56,6 +56,22 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
     pre-hook that fills the per-token adapter ids stays eager) and returned, so ``forward``, ``generate`` and
     adapter loading keep working; anything else is returned as ``torch.compile`` returns it.
     """
+    kwargs = _torch_compile_kwargs(pass_options, torch_compile_kwargs)
+    from .models import MultiLoRAModel
+
+    if isinstance(model, MultiLoRAModel):
+        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph. Compiling again
+        # replaces the earlier compile (from the model's own forward), rather than compiling a compiled function.
+        inner = model.model
+        original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
+        inner.__dict__[_ORIGINAL_FORWARD] = original
+        inner.forward = CompiledForward(original, pass_options, torch_compile_kwargs)
+        return model
+    return torch.compile(model, **kwargs)
+
+
+def _torch_compile_kwargs(pass_options: Optional[dict], torch_compile_kwargs: dict) -> dict:
+    """:func:`compile`'s arguments checked, as ``torch.compile``'s keyword arguments (the pass in its options)."""
     backend = torch_compile_kwargs.get("backend", "inductor")
     if backend != "inductor":
         raise ValueError(f"backend must be 'inductor' (the pass is an Inductor post-grad pass), got {backend!r}")
@@ -66,18 +82,26 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
     custom_pass = MoELoRAPass(**(pass_options or {}))
     kwargs = dict(torch_compile_kwargs)
     kwargs["options"] = inductor_options(kwargs.pop("options", None), kwargs.pop("mode", None), custom_pass)
-    from .models import MultiLoRAModel
+    return kwargs
 
-    if isinstance(model, MultiLoRAModel):
-        # forward only: the pre-hook that writes token_lora_ids stays eager, outside the graph. Compiling again
-        # replaces the earlier compile (from the model's own forward), rather than compiling a compiled function.
-        inner = model.model
-        original = inner.__dict__.get(_ORIGINAL_FORWARD, inner.forward)
-        inner.__dict__[_ORIGINAL_FORWARD] = original
-        inner.forward = _announce_first_call(without_duck_sizing(_with_stable_layouts(torch.compile(original,
-                                                                                                     **kwargs))))
-        return model
-    return torch.compile(model, **kwargs)
+
+class CompiledForward:
+    """The compiled ``forward`` of a MultiLoRAModel's wrapped model: ``original`` (its own forward, bound to it)
+    compiled with :func:`compile`'s ``pass_options`` and ``torch_compile_kwargs``. A copy (``copy.deepcopy``,
+    pickle, ``torch.save``) compiles the copy's own forward with the same arguments: a plain function attribute was
+    shared by the copy, which then ran the original model's modules, slots and ids (and failed to pickle)."""
+
+    def __init__(self, original: Callable, pass_options: Optional[dict], torch_compile_kwargs: dict):
+        self.original, self.pass_options, self.torch_compile_kwargs = original, pass_options, torch_compile_kwargs
+        compiled = torch.compile(original, **_torch_compile_kwargs(pass_options, torch_compile_kwargs))
+        # (inspect.signature follows __wrapped__: transformers reads the forward's parameters)
+        self.__wrapped__ = _announce_first_call(without_duck_sizing(_with_stable_layouts(compiled)))
+
+    def __call__(self, *args, **kwargs):
+        return self.__wrapped__(*args, **kwargs)
+
+    def __reduce__(self):
+        return CompiledForward, (self.original, self.pass_options, self.torch_compile_kwargs)
 
 
 # Graphs one compiled MultiLoRAModel forward may need under mm.generate with transformers' dynamic KV cache: prefill

@@ -7,6 +7,8 @@ that is 1 at run time (ConstraintViolationError), and ``backed_size_oblivious`` 
 SDPA integration (``is_causal = q_len > 1`` becomes a SymBool that ``scaled_dot_product_attention`` refuses).
 """
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -160,3 +162,60 @@ def test_views_of_a_batch_already_compiled_add_no_graph():
     finally:
         torch._dynamo.reset()
     assert counter.frame_count == 4
+
+
+def test_a_copy_of_a_compiled_model_runs_its_own_modules(tmp_path):
+    """``copy.deepcopy`` / pickle of an ``mlc.compile``'d model compile the copy's own forward: the compiled forward
+    was a function attribute the copy shared, so the copy ran the original's modules, slots and ids (a hot swap in
+    the copy was silently ignored, or the original's adapter served), and pickle / torch.save failed."""
+    import pickle
+
+    import moe_lora_compile as mlc
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")).eval()
+    mm = attach(copy.deepcopy(base), max_loras=2, max_rank=4)
+    mm.load_adapter_weights("a", random_adapter(mm, 1))
+    mlc.compile(mm, dynamic=True)
+    cp = copy.deepcopy(mm)
+    assert cp.model.forward is not mm.model.forward and cp.model.forward.original.__self__ is cp.model
+    cp.load_adapter_weights("a", random_adapter(cp, 2), replace=True)  # a hot swap in the copy only
+    eager = attach(copy.deepcopy(base), max_loras=2, max_rank=4)
+    eager.load_adapter_weights("a", random_adapter(eager, 2))
+    ids = torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(cp(ids, adapters=["a", None]).logits, eager(ids, adapters=["a", None]).logits,
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+    for loaded in (pickle.loads(pickle.dumps(mm)), torch.load(_saved(mm), weights_only=False)):
+        forward = loaded.model.forward
+        assert forward.original.__self__ is loaded.model and forward.original.__func__ is type(loaded.model).forward
+        assert forward.torch_compile_kwargs == {"dynamic": True}
+
+
+def random_adapter(mm, seed: int, rank: int = 4) -> dict:
+    """Parsed factors of rank ``rank`` (N(0, 0.3) entries) for every LoRA module of ``mm``."""
+    from moe_lora_compile.adapters.peft_loader import ExpertsLoRA, LinearLoRA
+
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3
+    factors = {}
+    for name, m in mm.slots.experts_modules.items():
+        _, E, _, H = m.lora_a13.shape
+        factors[name] = ExpertsLoRA(rand(E, rank, H), rand(E, m.lora_b13.shape[2], rank),
+                                    rand(E, rank, m.lora_a2.shape[3]), rand(E, H, rank))
+    for name, m in mm.slots.linear_modules.items():
+        factors[name] = LinearLoRA(rand(rank, m.in_features), rand(m.out_features, rank))
+    return factors
+
+
+def _saved(module):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return buffer
