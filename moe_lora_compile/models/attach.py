@@ -90,6 +90,7 @@ class MultiLoRAModel(nn.Module):
         self._pins: dict[str, int] = {}  # adapter name -> in-flight requests decoding with it (a ServingEngine's)
         self._sequence_slots = torch.full((1,), NO_ADAPTER, dtype=torch.int32)
         self._manual_ids = False  # True inside manual_token_lora_ids(): the pre-hook leaves the buffer alone
+        self._manual_shape: Optional[tuple[int, int]] = None  # [B, S] of the last set_token_lora_ids / write_lora_ids
         self.fused_routers: list[str] = []  # routers running as moe_lora.route (module names)
         experts = self._attach_experts(use_ops, fused_router=use_ops and fused_router)
         linears = self._attach_linears(target_modules, use_ops)
@@ -407,6 +408,8 @@ class MultiLoRAModel(nn.Module):
         """
         if adapters is None and batch_size is None:
             raise ValueError("batch_size is required when adapters is None")
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len must be an int >= 1, got {seq_len!r}")
         num_real = batch_size if adapters is None else 0 if isinstance(adapters, str) else len(adapters)
         slots = self.slots_for(adapters, num_real)  # raises for a bare str, like forward()
         batch_size = num_real if batch_size is None else batch_size
@@ -421,6 +424,7 @@ class MultiLoRAModel(nn.Module):
         self.sequence_lora_ids[:batch_size].copy_(per_sequence)
         view = self.token_lora_ids[:num_tokens]
         view.copy_(per_sequence.repeat_interleave(seq_len))
+        self._manual_shape = (batch_size, seq_len)
         return view
 
     @torch.no_grad()
@@ -429,12 +433,18 @@ class MultiLoRAModel(nn.Module):
         ``self.token_lora_ids[:B * q]`` and each sequence's slot (its first token's) into
         ``self.sequence_lora_ids[:B]``, in place: device-to-device, no host sync, never a reallocation. For steps
         replayed from CUDA graphs (:mod:`moe_lora_compile.graphs`), whose ids were resolved once, at prefill."""
+        if not isinstance(tokens_per_sequence, int) or isinstance(tokens_per_sequence, bool) \
+                or tokens_per_sequence < 1:
+            raise ValueError(f"tokens_per_sequence must be an int >= 1, got {tokens_per_sequence!r}")
+        if token_lora_ids.is_floating_point() or token_lora_ids.dtype == torch.bool:  # a float id was truncated
+            raise ValueError(f"token_lora_ids must hold integer slot ids (int32), got {token_lora_ids.dtype}")
         n = token_lora_ids.numel()
         if n % tokens_per_sequence or n > self.token_lora_ids.numel():
             raise ValueError(f"token_lora_ids: {n} ids are not whole sequences of {tokens_per_sequence} tokens "
                              f"within the {self.token_lora_ids.numel()} the buffers hold")
         self.token_lora_ids[:n].copy_(token_lora_ids)
         self.sequence_lora_ids[: n // tokens_per_sequence].copy_(token_lora_ids[::tokens_per_sequence])
+        self._manual_shape = (n // tokens_per_sequence, tokens_per_sequence)
 
     @contextlib.contextmanager
     def manual_token_lora_ids(self):
@@ -467,11 +477,18 @@ class MultiLoRAModel(nn.Module):
                                "training mode with grad enabled: not supported, the recomputed layers would read a "
                                "later forward's adapter ids; disable it (model.gradient_checkpointing_disable()), or "
                                "run under torch.no_grad() / mm.eval()")
-        if self._manual_ids:  # (after the check: manual ids are rewritten in place between forwards too)
-            return
         tokens = kwargs.get("inputs_embeds")
         if tokens is None:
             tokens = kwargs.get("input_ids", args[0] if args else None)
+        if self._manual_ids:  # (after the check: manual ids are rewritten in place between forwards too)
+            written = self._manual_shape
+            if (not torch.compiler.is_compiling() and written is not None and isinstance(tokens, Tensor)
+                    and tokens.dim() >= 2 and (tokens.shape[1] != written[1] or tokens.shape[0] > written[0])):
+                raise ValueError(f"model: a forward of {tokens.shape[0]} x {tokens.shape[1]} tokens inside "
+                                 f"manual_token_lora_ids(), whose ids were written for {written[0]} x {written[1]} "
+                                 f"(the experts read the first B x S of them, sequence-major: rows would take other "
+                                 f"rows' adapters); write them for this shape first")
+            return
         if not isinstance(tokens, Tensor) or tokens.dim() < 2:
             return  # no ids to write: the model's own check names the problem
         batch, seq_len = tokens.shape[0], tokens.shape[1]
@@ -533,6 +550,10 @@ class MultiLoRAModel(nn.Module):
         """Within: the pre-hook applies ``adapters`` (validated). After it, the previous selection again (at the top
         level: none), so a later direct call of ``self.model`` runs the base model, never this call's adapters."""
         with self.lock:
+            if self._manual_ids and adapters is not None:  # the pre-hook would leave the caller's ids in place
+                raise ValueError("adapters: inside manual_token_lora_ids() the forward reads the ids written with "
+                                 "set_token_lora_ids / write_lora_ids, and would ignore these; pass adapters=None "
+                                 "there, or call outside the context")
             previous = self._sequence_slots
             self._select(adapters, batch_size)
             try:

@@ -393,6 +393,22 @@ def test_token_lora_ids_api(setup):
     with pytest.raises(ValueError, match="whole sequences"):
         mm.write_lora_ids(ids[:5], tokens_per_sequence=2)
     assert mm.slots_for(["beta", None], 2) == [beta, -1]
+    # misuse that ran silently wrong (attach audit): adapters= ignored inside the context; ids written for another
+    # length (the experts' per-token ids shifted by a row); a float id truncated; zero / negative lengths
+    with mm.manual_token_lora_ids():
+        with pytest.raises(ValueError, match="inside manual_token_lora_ids"):
+            mm(prompt[:2, :2], adapters=["beta", "beta"])
+        mm.set_token_lora_ids(["beta", None], 5)
+        with pytest.raises(ValueError, match=r"a forward of 2 x 6 tokens .* written for 2 x 5"):
+            mm.model(input_ids=prompt[:2, :6])
+        with pytest.raises(ValueError, match=r"a forward of 3 x 5 tokens"):
+            mm.model(input_ids=prompt[:3, :5])
+        mm.model(input_ids=prompt[:1, :5])  # fewer rows of the written length: their ids are right
+    for call, message in [(lambda: mm.write_lora_ids(ids, tokens_per_sequence=0), "tokens_per_sequence must be"),
+                          (lambda: mm.write_lora_ids(ids.float() - 0.5, 2), "integer slot ids"),
+                          (lambda: mm.set_token_lora_ids(None, -1, batch_size=1), "seq_len must be an int >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            call()
 
 
 def test_capture_false_logs_and_runs(setup):

@@ -110,8 +110,9 @@ def test_stop_conditions(setup, family):
     stop_mid, stop_first = ref[6:8], ref[0:2]
     cut_eos = ref.index(eos) + 1
     cut_mid = next(i + 2 for i in range(len(ref) - 1) if ref[i:i + 2] == stop_mid)
+    absent = next(t for t in range(128) if t not in ref)  # a stop sequence that never matches
     requests = [Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=[eos]),
-                Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=(), stop=[[999], stop_mid]),
+                Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=(), stop=[[absent], stop_mid]),
                 Request(p, adapter="beta", max_new_tokens=12, eos_token_ids=(), stop=[stop_first]),
                 Request(p, adapter="beta", max_new_tokens=3, eos_token_ids=()),
                 Request(p, adapter="beta", max_new_tokens=1, eos_token_ids=())]
