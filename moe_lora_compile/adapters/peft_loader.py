@@ -587,7 +587,8 @@ def _load_modules(path, config, experts_targets, linear_targets, max_rank, alias
                   "target modules (q_proj, k_proj, ...) and the experts' target_parameters by name instead)"
                   if name.rpartition(".")[2] in _ROUTER_LEAVES else "")
         raise _weights_error(f"adapter targets {module!r}, which is not a LoRA target of this model{router} "
-                             f"(experts modules and dense targets: {_summary(experts_targets, linear_targets)})")
+                             f"(experts modules and dense targets: {_summary(experts_targets, linear_targets)})"
+                             f"{_prefix_hint(name, [*experts_targets, *linear_targets])}")
 
     for name in sorted(set(three_d) & set(per_expert)):
         raise _weights_error(f"experts module {name!r} has both 3-D and per-expert LoRA weights")
@@ -661,6 +662,22 @@ def _warn_untouched_targets(config: AdapterConfig, result: dict[str, ModuleLoRA]
         warnings.warn(f"adapter_config.json adapts {len(missing)} module(s) of this base model that "
                       f"{WEIGHTS_NAME} holds no LoRA weights for ({shown}): they run without this adapter's delta "
                       f"(an incomplete file, or an adapter saved from a model with fewer layers?)", stacklevel=4)
+
+
+def _prefix_hint(name: str, targets: list[str]) -> str:
+    """Where the adapter's module ``name`` and a target of this model differ by a leading prefix (an adapter of the
+    causal LM loaded into its inner model, of a multimodal model into its text model, a model attached after
+    torch.compile), a sentence saying so; else ''."""
+    base = _without_base_layers(name)
+    for target in targets:
+        if target.endswith("." + base):
+            return (f"; this model names it {target!r}: the model attached has the extra prefix "
+                    f"{target[:-len(base)]!r} (attach the module the adapter was trained on)")
+        if base.endswith("." + target):
+            return (f"; this model has {target!r}: the adapter was trained on a model with the extra prefix "
+                    f"{base[:-len(target)]!r} (e.g. the causal LM or a multimodal model around the module "
+                    f"attached here): attach that model")
+    return ""
 
 
 def _summary(experts_targets, linear_targets) -> str:

@@ -644,6 +644,10 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     groups = _fusion_groups(fuse) + (("qkv",) if fuse_qkv else ())
     if isinstance(model, MultiLoRAModel) or any(isinstance(m, LoRALinear) for m in model.modules()):
         raise ValueError("model: already attached")
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):  # (its names gain '_orig_mod.')
+        raise ValueError("model: a torch.compile'd module, whose module names start with '_orig_mod.' where "
+                         "PEFT adapter keys have none: attach the model itself (attach(model._orig_mod)), then "
+                         "compile with mlc.compile(mm)")
     peft_layers = [name for name, m in model.named_modules() if type(m).__module__.startswith("peft.")]
     if peft_layers:  # its LoRA layers would run for every token, adapters=None included, and hide the targets
         where = "is a PeftModel" if not peft_layers[0] else f"holds PEFT layers ({peft_layers[0]!r}, ...)"

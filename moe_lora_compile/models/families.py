@@ -81,12 +81,19 @@ def supported_model_types() -> list[str]:
 
 def family_for(model: nn.Module) -> Family:
     """The :class:`Family` of a transformers model, from ``model.config.model_type``; ValueError if unsupported."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    text_type = getattr(text_config, "model_type", None)
+    hint = ""
+    if text_config is not config and any(text_type in f.model_types for f in FAMILIES):
+        hint = (f" (a multimodal model whose text model is {text_type!r}: attach the text model, e.g. "
+                f"attach(model.language_model), with adapters trained on it)")
     raise ValueError(
-        f"model: unsupported model_type {model_type!r}; supported families: "
+        f"model: unsupported model_type {model_type!r}{hint}; supported families: "
         + ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
     )
 

@@ -357,6 +357,30 @@ def test_unsupported_model_lists_families():
         attach(model)
 
 
+def test_models_whose_names_differ_from_the_adapters_are_explained(adapters):
+    """Models whose module names do not match PEFT's keys: a torch.compile'd model ('_orig_mod.' names) is refused
+    at attach; an adapter of the causal LM loaded into its inner model names the prefix; a multimodal Llama-4 points
+    to its text model. Before, attach took the first two and every load failed with "not a LoRA target", naming the
+    very leaf names the adapter used."""
+    import transformers
+
+    base = adapters["base"]
+    with pytest.raises(ValueError, match=r"torch.compile'd module.*attach\(model._orig_mod\)"):
+        attach(torch.compile(copy.deepcopy(base)))
+    inner = attach(copy.deepcopy(base).model, max_loras=1, max_rank=8)
+    with pytest.raises(ValueError, match=r"not a LoRA target .* this model has 'layers\.0\..*': the adapter was "
+                                         r"trained on a model with the extra prefix 'model\.'"):
+        inner.load_adapter("x", adapters["paths"]["x"])
+    assert inner.adapters == {}
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48, image_size=16,
+                  patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+    config = transformers.Llama4Config(text_config=tiny_config("llama4").to_dict(), vision_config=vision)
+    with pytest.raises(ValueError, match=r"unsupported model_type 'llama4' \(a multimodal model whose text model "
+                                         r"is 'llama4_text': attach the text model, e\.g\. "
+                                         r"attach\(model\.language_model\)"):
+        attach(transformers.Llama4ForConditionalGeneration(config))
+
+
 def test_hot_swap_changes_exactly_the_sequences_using_it(mm, adapters):
     """Replace x by an adapter without expert targets: rows using x now match that adapter on PEFT (so its expert
     slots were zeroed), every other row is bit-identical, and all buffers are the same tensor objects."""
