@@ -23,7 +23,7 @@ TTFT against the arrival rate).
 
     python benchmarks/bench_serving.py --model gpt-oss-20b --requests 32 --json s.json --md s.md --png s.png
     python benchmarks/bench_serving.py --buckets 8 16 32 --configs no_lora lora8 ...   # fewer compiles / runs
-    python benchmarks/bench_serving.py --tiny   # CPU smoke test (tiny GPT-OSS, a few seconds; no timing claims)
+    python benchmarks/bench_serving.py --tiny   # CPU smoke test (tiny GPT-OSS, under a minute; no timing claims)
 
 A run that does not fit one device call can be split by load: ``--rates R_LOW R_NEAR R_OVER --loads over`` runs one
 of the three rates (labels kept), and ``--render a.json b.json --md m.md --png p.png`` merges the runs of several

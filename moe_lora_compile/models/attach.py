@@ -624,7 +624,7 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
     ``mm.to(...)`` keeps the fusion (it re-points the views at the converted fused buffers); moving the wrapped model
     alone (``mm.model.to(...)``) breaks it, and the next ``load_adapter`` / ``unload_adapter`` raises. Default off:
     ``"qkv"`` has run on the H200 (GPU tests, the whole-model benchmark), but fused and unfused have not been
-    compared in one run yet; ``"gate_up"`` and ``"mla"`` have run on the CPU only.
+    compared in one run yet; ``"gate_up"`` and ``"mla"`` have run on the CPU and in Triton's interpreter only.
 
     ``fused_router`` (with ``use_ops=True``): the MoE routers whose transformers forward has been verified
     (GPT-OSS, Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, Llama-4; see :mod:`moe_lora_compile.models.routers`) run as

@@ -110,6 +110,11 @@ def check_fused_moe_lora_args(
         _expect_dtype(name, t, _FLOAT_DTYPES, "a floating tensor")
     _expect_positive("w13", w13, 0, "E", "[E, 2I, H] or [E, H, 2I]")
     E = w13.shape[0]
+    hidden = (w13.shape[1], w2.shape[2]) if is_transposed(layout) else (w13.shape[2], w2.shape[1])
+    torch._check_value(  # both experts' weights agree on H, x does not: name x (H is read from x below)
+        hidden[0] != hidden[1] or hidden[0] == H,
+        lambda: f"x must have shape [T, H] with H = {hidden[0]} (the hidden size of w13 and w2); got {_shape(x)}",
+    )
     if is_transposed(layout):
         _expect_dim("w13", w13, 1, H, f"[E, H, 2I] for layout {layout!r}")
         two_i = w13.shape[2]

@@ -192,8 +192,9 @@ class ServingEngine:
     (a request needs ``len(prompt) + max_new_tokens - 1`` slots); ``batch_sizes``, ``prefill_chunk``, ``capture``,
     ``compile``, ``compile_prefill``, ``fold_gqa``, ``attention``, ``pad_token_id``, ``log``: as in :class:`RowGraphs`
     (its graphs are captured here); ``schedule``: ``"mixed"`` (any adapters side by side) or ``"grouped"`` (one
-    adapter at a time: requests of the adapter of the oldest waiting request, until none of them is live; the
-    baseline of a one-adapter server such as plain PEFT);
+    adapter at a time, the baseline of a one-adapter server such as plain PEFT: the adapter of the oldest waiting
+    request, admitted until ``max_bypass`` of its requests overtook an older one of another adapter; then the group
+    drains and that adapter is next);
     ``max_bypass``: see the module docstring (default ``max_rows``); ``num_speculative_tokens``, ``draft``: see the
     module docstring (``draft(handles, k) -> [len(handles), k]`` token ids; counters ``draft_tokens`` and
     ``accepted_draft_tokens``).

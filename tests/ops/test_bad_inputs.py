@@ -24,6 +24,8 @@ MOE_BAD = [
     # (argument, how it is made wrong, error type, text the message must contain)
     ("x", lambda t: t[None], ValueError, "x must be 2-D"),
     ("x", lambda t: t.to(torch.int64), TypeError, "x must be a floating tensor"),
+    # x narrower than the experts' H: x is named (the message blamed w13, H being read from x)
+    ("x", lambda t: t[:, :10], ValueError, r"x must have shape [T, H] with H = 16 (the hidden size of w13 and w2)"),
     ("topk_ids", lambda t: t[:3], ValueError, "topk_ids must have shape [T, k]"),
     ("topk_ids", lambda t: t.float(), TypeError, "topk_ids must be int32 or int64"),
     ("topk_ids", lambda t: t + 100, ValueError, "topk_ids values must lie in [0, 4)"),

