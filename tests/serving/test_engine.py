@@ -212,20 +212,26 @@ def test_grouped_schedule_bounds_how_often_a_request_is_overtaken(setup, max_byp
     beta's is next. Before, alpha's group stayed open while any alpha request was live: all six started first, and
     steady alpha traffic kept beta waiting forever. Every request's tokens still equal it alone."""
     engine = _engine(setup.model, schedule="grouped", max_rows=2, max_bypass=max_bypass)
+    position, handles, requests = _overtaking_run(engine, setup.prompts, "alpha", "beta")
+    assert position == 1 + max_bypass
+    for h, r in zip(handles, requests):
+        assert h.tokens == alone(setup.model, list(r.prompt_ids), r.adapter, r.max_new_tokens, eos=[])
+
+
+def _overtaking_run(engine, prompts, first: str, other: str):
+    """Request 1 (``first``, 12 tokens), request 2 (``other``), then six more of ``first`` (3 tokens each), in one
+    generate_many -> (how many requests started before request 2, the handles, the requests)."""
     started = []
 
     def on_token(handle, token):
         if len(handle.tokens) == 1:
             started.append(handle.id)
 
-    adapters = ["alpha", "beta"] + ["alpha"] * 6
-    requests = [Request(setup.prompts[i % len(setup.prompts)], adapter=a, max_new_tokens=12 if i == 0 else 3,
+    adapters = [first, other] + [first] * 6
+    requests = [Request(prompts[i % len(prompts)], adapter=a, max_new_tokens=12 if i == 0 else 3,
                         eos_token_ids=(), on_token=on_token) for i, a in enumerate(adapters)]
     handles = engine.generate_many(requests)
-    ids = [h.id for h in handles]
-    assert started.index(ids[1]) == 1 + max_bypass, (started, ids)
-    for h, r in zip(handles, requests):
-        assert h.tokens == alone(setup.model, list(r.prompt_ids), r.adapter, r.max_new_tokens, eos=[])
+    return started.index(handles[1].id), handles, requests
 
 
 def test_submit_errors_change_nothing(setup):
@@ -693,18 +699,8 @@ def test_at_most_max_bypass_requests_overtake_one_waiting_for_a_slot(setup, max_
         resident.load_adapter_weights(name, w)
         store.register(name, w)
     engine = _engine(mm, store=store, max_rows=2, max_bypass=max_bypass)
-    started = []
-
-    def on_token(handle, token):
-        if len(handle.tokens) == 1:
-            started.append(handle.id)
-
-    adapters = ["a0", "a1"] + ["a0"] * 6
-    requests = [Request(setup.prompts[i % len(setup.prompts)], adapter=a, max_new_tokens=12 if i == 0 else 3,
-                        eos_token_ids=(), on_token=on_token) for i, a in enumerate(adapters)]
-    handles = engine.generate_many(requests)
-    ids = [h.id for h in handles]
-    assert started.index(ids[1]) == 1 + max_bypass, (started, ids)
+    position, handles, requests = _overtaking_run(engine, setup.prompts, "a0", "a1")
+    assert position == 1 + max_bypass
     for h, r in zip(handles[:3], requests[:3]):
         assert h.tokens == alone(resident, list(r.prompt_ids), r.adapter, r.max_new_tokens, eos=[])
 
