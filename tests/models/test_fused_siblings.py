@@ -358,8 +358,8 @@ def test_an_adapter_of_zero_width_linears_loads_and_equals_peft(tmp_path, family
     from peft import PeftModel
 
     reference = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "a").eval()
-    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=4)
-    mm.load_adapter("a", tmp_path / "a")
+    mm = attach(copy.deepcopy(base), max_loras=1, max_rank=8)  # (PEFT 0.22 adapts the experts' gate and up apart
+    mm.load_adapter("a", tmp_path / "a")                         # for these names: rank 4 + 4 there)
     parsed = mm.parse_adapter(tmp_path / "a")
     assert parsed and not any("shared_expert" in name for name in parsed)  # the zero-width pairs dropped
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(1))
