@@ -35,6 +35,19 @@ from ... import settings
 from .moe_kernels import PDL_EARLY, PDL_LATE, PDL_OFF
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+# The tuners (tune.py, tune_linear.py) reject a candidate config whose outputs differ more than this from the float32
+# reference, however fast (bf16 layers of their inputs measure 2-4e-3; a wrong config, e.g. a miscompiled tile shape,
+# is off by O(1)): :func:`output_error`.
+MAX_REL_ERROR = 2e-2
+
+
+def output_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error (Frobenius norm) of a candidate config's ``out`` against the float32 ``expected``; inf where
+    ``out`` is not finite."""
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
 
 PdlSetting = Union[None, bool, str]  # a config's "pdl" or MOE_LORA_PDL: off / on (= late) / "early" / "late"
 

@@ -11,7 +11,7 @@ sets (the weights do not fit in L2, the replay overhead is amortised), ``triton.
 replays, once with every token on an adapter and once with every token ``-1``; the score is the sum of the two (one
 entry serves both: whether a token has an adapter is data). Candidates are compiled first by ``--jobs`` worker
 processes in parallel (Triton's disk cache then serves the timing process); a config that fails to compile or run
-is skipped, and one whose output is off the float32 reference by more than ``MAX_REL_ERROR`` is rejected before
+is skipped, and one whose output is off the float32 reference by more than ``configs.MAX_REL_ERROR`` is rejected before
 it is timed.
 
 Output: progress lines, a summary (us per call, GB/s, % of ``--hbm-tbs``, against the heuristic and the GEMM path),
@@ -47,9 +47,6 @@ GEMV_PROGRAMS_PER_SM = 4  # the GEMV's split-K candidate: about this many progra
 WARPS_STAGES = {True: ((2, 1), (4, 1), (4, 2), (8, 1), (8, 2)),  # GEMV: num_stages >= 2 = loads one step ahead
                 False: ((4, 2), (4, 3), (4, 4), (8, 3))}  # GEMM: Triton's software pipeline depth
 EXPAND_SLOTS = (1, 4, 8)  # the GEMM's grouped B expand, tried around the best GEMM configs
-# a candidate whose outputs differ more from the float32 reference is rejected before it is timed (bf16 outputs of
-# these inputs are ~3e-3 off; a wrong config, e.g. a miscompiled tile shape, is off by O(1))
-MAX_REL_ERROR = 2e-2
 ACC_PER_THREAD = 64  # GEMV tiles whose fp32 accumulator [BLOCK_T, BLOCK_N, BLOCK_K] needs more registers are skipped
 
 
@@ -217,14 +214,12 @@ def reference(layer: dict, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def output_error(layer: dict, x: torch.Tensor, ids: torch.Tensor, expected: torch.Tensor, cfg) -> float:
-    """Relative error (Frobenius norm) of ``cfg``'s output against ``expected`` (:func:`reference`); inf where
-    it is not finite."""
+    """:func:`.configs.output_error` of ``cfg``'s output against ``expected`` (:func:`reference`)."""
+    from . import configs
     from .launch import lora_linear_triton
 
-    out = lora_linear_triton(x, layer["w"], layer["a"], layer["b"], ids, bias=layer["bias"], config=cfg).float()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return float((out - expected).norm() / expected.norm().clamp_min(1e-30))
+    out = lora_linear_triton(x, layer["w"], layer["a"], layer["b"], ids, bias=layer["bias"], config=cfg)
+    return configs.output_error(out, expected)
 
 
 def time_config(layers, xs, ids_lora, ids_none, cfg) -> tuple[float, float]:
@@ -297,7 +292,7 @@ def main(argv=None) -> int:
         print(f"{PROG}: error: tuning times the Triton kernels on a CUDA GPU, and CUDA is not available",
               file=sys.stderr)
         return 2
-    from .configs import (CONFIG_DIR, device_name, linear_file_name, linear_shape_key, read_linear_table,
+    from .configs import (CONFIG_DIR, MAX_REL_ERROR, device_name, linear_file_name, linear_shape_key, read_linear_table,
                           write_linear_table)
     from .launch import _num_sms
 
@@ -338,7 +333,7 @@ def main(argv=None) -> int:
                     continue
                 try:
                     error = output_error(layers[s][0], xs[0], ids_lora, expected, cfg)
-                    if not error <= MAX_REL_ERROR:  # never kept, however fast
+                    if not error <= MAX_REL_ERROR:  # never kept, however fast (configs.MAX_REL_ERROR)
                         failed.add((s, T, cfg))
                         print(f"    rejected {describe(cfg)}: outputs {error:.3g} off the float32 reference "
                               f"(relative)", flush=True)
