@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from moe_lora_compile.models import attach
 from moe_lora_compile.models.tiny import tiny_config
+from support.factors import random_adapter
 
 
 def test_dynamic_true_compiles_at_most_four_graphs():
@@ -194,22 +195,6 @@ def test_a_copy_of_a_compiled_model_runs_its_own_modules(tmp_path):
         forward = loaded.model.forward
         assert forward.original.__self__ is loaded.model and forward.original.__func__ is type(loaded.model).forward
         assert forward.torch_compile_kwargs == {"dynamic": True}
-
-
-def random_adapter(mm, seed: int, rank: int = 4) -> dict:
-    """Parsed factors of rank ``rank`` (N(0, 0.3) entries) for every LoRA module of ``mm``."""
-    from moe_lora_compile.adapters.peft_loader import ExpertsLoRA, LinearLoRA
-
-    g = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.3
-    factors = {}
-    for name, m in mm.slots.experts_modules.items():
-        _, E, _, H = m.lora_a13.shape
-        factors[name] = ExpertsLoRA(rand(E, rank, H), rand(E, m.lora_b13.shape[2], rank),
-                                    rand(E, rank, m.lora_a2.shape[3]), rand(E, H, rank))
-    for name, m in mm.slots.linear_modules.items():
-        factors[name] = LinearLoRA(rand(rank, m.in_features), rand(m.out_features, rank))
-    return factors
 
 
 def _saved(module):

@@ -24,7 +24,8 @@ from moe_lora_compile.models import attach
 from moe_lora_compile.serving import AdapterStore, NoFreeSlot, PromptLookupDraft, Request, ServingEngine
 from moe_lora_compile.serving.engine import RequestsFailed
 
-from engine_helpers import alone, prompt, random_adapter
+from engine_helpers import alone, prompt
+from support.factors import random_adapter
 
 # (prompt length, adapter, max_new_tokens): lengths 1..26 (longer than the sliding window 16 and than one prefill
 # chunk of 8, so prompts are prefilled over several engine steps while others decode), every adapter and none

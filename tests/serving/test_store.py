@@ -6,6 +6,7 @@ buffer and all bookkeeping unchanged, counters that add up, already-parsed facto
 recompile across paging, and the DecodeGraphs recipe.
 """
 
+import contextlib
 import copy
 import os
 import shutil
@@ -373,36 +374,9 @@ def test_direct_loads_under_store_names_are_never_taken_for_the_stores_own(setup
     torch.testing.assert_close(_logits(mm, store, setup, ["a"]), setup["truth"]["a"][:1], rtol=1e-5, atol=1e-5)
 
 
-def test_a_direct_load_while_acquire_parses_changes_nothing(setup):
-    """Another thread loads a store name into mm directly while acquire parses a folder: acquire raises before it
-    writes anything. It checked for direct loads only before parsing, so its writes raised half-way: the first
-    adapter written and resident, loads counted, hits / misses not."""
-    mm, store = _store(setup, max_loras=3)
-    parse = mm.parse_adapter
-
-    def parse_then_race(source):
-        out = parse(source)
-        if source == setup["paths"]["a"]:  # "b" loaded directly from another thread, between parse and plan
-            thread = threading.Thread(target=mm.load_adapter, args=("b", setup["paths"]["c"]))
-            thread.start()
-            thread.join()
-        return out
-
-    mm.parse_adapter = parse_then_race
-    before = _snapshot(mm, store)
-    with pytest.raises(ValueError, match=r"\['b'\] are loaded into the model directly"):
-        store.acquire(["a", "b"])
-    mm.parse_adapter = parse
-    after = _snapshot(mm, store)
-    assert after["resident"] == before["resident"] == [] and after["counters"] == before["counters"]
-    assert store.in_use == {} and set(mm.adapters) == {"b"}
-    mm.unload_adapter("b")
-    torch.testing.assert_close(_logits(mm, store, setup, ["a", "b"]),
-                               torch.cat([setup["truth"]["a"][:1], setup["truth"]["b"][:1]]), rtol=1e-5, atol=1e-5)
-
-
-def _race_while_parsing(mm, setup, folder: str, action) -> None:
-    """mm.parse_adapter runs ``action`` in another thread (and waits for it) after parsing ``folder``."""
+@contextlib.contextmanager
+def _race_while_parsing(mm, setup, folder: str, action):
+    """Within: mm.parse_adapter runs ``action`` in another thread (and waits for it) after parsing ``folder``."""
     parse = mm.parse_adapter
 
     def parse_then_race(source):
@@ -414,6 +388,28 @@ def _race_while_parsing(mm, setup, folder: str, action) -> None:
         return out
 
     mm.parse_adapter = parse_then_race
+    try:
+        yield
+    finally:
+        del mm.parse_adapter  # the class's method again
+
+
+def test_a_direct_load_while_acquire_parses_changes_nothing(setup):
+    """Another thread loads a store name into mm directly while acquire parses a folder: acquire raises before it
+    writes anything. It checked for direct loads only before parsing, so its writes raised half-way: the first
+    adapter written and resident, loads counted, hits / misses not."""
+    mm, store = _store(setup, max_loras=3)
+    before = _snapshot(mm, store)
+    # "b" loaded directly from another thread, between parse and plan
+    with _race_while_parsing(mm, setup, "a", lambda: mm.load_adapter("b", setup["paths"]["c"])), \
+            pytest.raises(ValueError, match=r"\['b'\] are loaded into the model directly"):
+        store.acquire(["a", "b"])
+    after = _snapshot(mm, store)
+    assert after["resident"] == before["resident"] == [] and after["counters"] == before["counters"]
+    assert store.in_use == {} and set(mm.adapters) == {"b"}
+    mm.unload_adapter("b")
+    torch.testing.assert_close(_logits(mm, store, setup, ["a", "b"]),
+                               torch.cat([setup["truth"]["a"][:1], setup["truth"]["b"][:1]]), rtol=1e-5, atol=1e-5)
 
 
 def test_a_direct_unload_while_acquire_parses(setup):
@@ -424,9 +420,8 @@ def test_a_direct_unload_while_acquire_parses(setup):
     mm, store = _store(setup, max_loras=2)
     store.acquire(["a", "b"])
     store.release(["a", "b"])
-    _race_while_parsing(mm, setup, "c", lambda: mm.unload_adapter("a"))
-    slots = store.acquire(["c", "d"])  # c into a's freed slot, d evicts b
-    mm.parse_adapter = type(mm).parse_adapter.__get__(mm)
+    with _race_while_parsing(mm, setup, "c", lambda: mm.unload_adapter("a")):
+        slots = store.acquire(["c", "d"])  # c into a's freed slot, d evicts b
     assert sorted(slots) == [0, 1] and set(store.resident) == {"c", "d"} and set(mm.adapters) == {"c", "d"}
     assert store.in_use == {"c": 1, "d": 1}
     counters = store.counters
@@ -443,10 +438,9 @@ def test_a_direct_replace_while_acquire_parses_is_kept(setup):
     mm, store = _store(setup, max_loras=1)
     store.acquire(["a"])
     store.release(["a"])
-    _race_while_parsing(mm, setup, "b", lambda: mm.load_adapter("a", setup["paths"]["c"], replace=True))
-    with pytest.raises(NoFreeSlot):
+    with _race_while_parsing(mm, setup, "b", lambda: mm.load_adapter("a", setup["paths"]["c"], replace=True)), \
+            pytest.raises(NoFreeSlot):
         store.acquire(["b"])
-    mm.parse_adapter = type(mm).parse_adapter.__get__(mm)
     assert mm.adapters == {"a": 0} and store.resident == {} and store.in_use == {}
     with torch.no_grad():  # still the user's adapter: c's weights under the name a
         torch.testing.assert_close(mm(setup["input_ids"][:1], adapters=["a"], use_cache=False).logits,
