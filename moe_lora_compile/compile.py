@@ -56,7 +56,7 @@ def compile(model: Any, *, pass_options: Optional[dict] = None, **torch_compile_
     pre-hook that fills the per-token adapter ids stays eager) and returned, so ``forward``, ``generate`` and
     adapter loading keep working; anything else is returned as ``torch.compile`` returns it.
     """
-    kwargs = _torch_compile_kwargs(pass_options, torch_compile_kwargs)
+    kwargs = _torch_compile_kwargs(pass_options, torch_compile_kwargs)  # (checked before a model is changed)
     from .models import MultiLoRAModel
 
     if isinstance(model, MultiLoRAModel):

@@ -131,6 +131,7 @@ def find_zero_width_targets(model: nn.Module, family: Family, target_modules=Non
 
 
 def _dense_linears(model: nn.Module, family: Family, target_modules) -> dict[str, nn.Linear]:
+    """Every ``nn.Linear`` in the decoder layers whose leaf name is one of the dense targets, any width."""
     allowed = tuple(family.dense_targets) if target_modules is None else tuple(target_modules)
     unknown = sorted(set(allowed) - set(family.dense_targets))
     if unknown:
