@@ -657,6 +657,7 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
                          f"adapter folder with mm.load_adapter(name, folder)")
     family = family_for(model)
     find_dense_targets(model, family, target_modules)  # unknown names refused before the model is touched
+    _refuse_oversized_slots(model, family, max_loras, max_rank, max_tokens, target_modules)
     trainable = [p for p in model.parameters() if p.requires_grad]
     model.requires_grad_(False)
     try:
@@ -670,6 +671,46 @@ def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_toke
         for p in trainable:
             p.requires_grad_(True)
         raise
+
+
+def _slot_bytes(model: nn.Module, family: Family, max_loras: int, max_rank: int, max_tokens: int,
+                target_modules) -> tuple[int, torch.device]:
+    """Bytes of the zeroed buffers attach allocates (expert and dense LoRA slots, the two id buffers; the fused
+    siblings' copies not counted), and the device they go on."""
+    device = next(model.parameters()).device
+    total = 2 * 4 * max_tokens
+    for experts in find_experts(model, family).values():
+        E, H, I = experts_geometry(experts, family.layout)
+        weight = getattr(experts, "gate_up_proj", None)
+        size = (weight if weight is not None else experts.gate_up_proj_bias).element_size()
+        total += max_loras * E * max_rank * (H + 2 * I + I + H) * size
+    for linear in find_dense_targets(model, family, target_modules).values():
+        total += max_loras * max_rank * (linear.in_features + linear.out_features) * linear.weight.element_size()
+    return total, device
+
+
+def _device_memory(device: torch.device) -> Optional[int]:
+    """Total bytes of ``device`` (CUDA: what is free now; CPU: the physical memory), None where unknown."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def _refuse_oversized_slots(model, family, max_loras, max_rank, max_tokens, target_modules) -> None:
+    """A ValueError naming the sizes when the slot buffers cannot fit the device, before any is allocated (on the
+    CPU a zeroed buffer larger than the memory got the process killed, with no Python error)."""
+    need, device = _slot_bytes(model, family, max_loras, max_rank, max_tokens, target_modules)
+    have = _device_memory(device)
+    if have is not None and need > have:
+        where = "free on " + str(device) if device.type == "cuda" else "of memory on this machine"
+        raise ValueError(f"max_loras={max_loras}, max_rank={max_rank}, max_tokens={max_tokens}: the LoRA slot and id "
+                         f"buffers would take {need / 2**30:.1f} GiB, over the {have / 2**30:.1f} GiB {where}; "
+                         f"lower max_loras, max_rank (the largest rank an adapter may have) or max_tokens")
 
 
 def _fusion_groups(fuse) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from moe_lora_compile.models import attach
+from moe_lora_compile.models.dense import LoRALinear
 from moe_lora_compile.models.tiny import randomize_lora_, tiny_config, tiny_lora_config
 
 FAMILY = "qwen3_moe"
@@ -945,3 +946,18 @@ def test_adapters_as_a_tuple_or_numpy_array_of_names(mm, adapters):
         assert torch.equal(mm(ids, adapters=("x", None)).logits, want)
         assert torch.equal(mm(ids, adapters=np.array(["x", None], dtype=object)).logits, want)
         assert torch.equal(mm(ids, adapters=np.array(["x", "y"])).logits, mm(ids, adapters=["x", "y"]).logits)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_rank=10**8),     # a rank typo: 4.5 TiB of zeroed slots (on the CPU the process was killed, no error)
+    dict(max_loras=10**7),    # slots for ten million adapters
+    dict(max_tokens=10**12),  # id buffers of 7 TiB
+])
+def test_attach_refuses_slots_larger_than_the_memory_before_allocating(adapters, kwargs):
+    model = copy.deepcopy(adapters["base"])
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=rf"{name}={kwargs[name]}.*would take [0-9.]+ GiB, over the"):
+        attach(model, **kwargs)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before  # refused before touching it
+    assert not any(isinstance(m, LoRALinear) for m in model.modules())
