@@ -187,6 +187,10 @@ class AdapterSlots:
             else:
                 raise ValueError(f"weights: {name!r} is not a LoRA target of this model ({len(self.experts_modules)} "
                                  f"experts and {len(self.linear_modules)} dense modules)")
+        if not any(t is not None and t.numel() for lora in out.values() for t in vars(lora).values()):
+            # factors all None or of rank 0: like the empty dict, the base model served under the adapter's name
+            raise ValueError("weights: no LoRA factors of rank >= 1 (every module's pair is None or of rank 0); an "
+                             "adapter needs at least one")
         return out
 
     @torch.no_grad()

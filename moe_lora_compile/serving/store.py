@@ -1,9 +1,10 @@
 """``AdapterStore``: any number of named adapters over the fixed GPU slots of one :class:`MultiLoRAModel`, paged.
 
 Register adapters by name (a PEFT folder, read and validated on first use or at once with ``preload=True``; or
-already-parsed factors, validated at once; :meth:`MultiLoRAModel.parse_adapter`'s result, already pinned, is kept as
-is, so several names can share one host copy). Each is parsed and validated once and kept as one host copy in the slot
-dtype (pinned when the model is on CUDA). The model's ``max_loras`` slots are a cache: :meth:`AdapterStore.acquire`
+already-parsed factors, validated at once; :meth:`MultiLoRAModel.parse_adapter`'s result is kept as is, not copied
+(unless it must be pinned), so several names can share one host copy). Each is parsed and validated once and kept as
+one host copy in the slot dtype (pinned when the model is on CUDA); after a cast of the model (``mm.half()``) a
+second copy in the new dtype is made from the first, which stays (a cast back serves the factors unrounded). The model's ``max_loras`` slots are a cache: :meth:`AdapterStore.acquire`
 returns the slots of a request's adapters, loading the ones not in a slot from their host copy and evicting the
 least recently used resident adapter that no in-flight request holds (through this store, or pinned in ``mm`` by a
 serving engine that uses it by name); the adapters stay pinned in their slots until :meth:`AdapterStore.release` (or
@@ -17,7 +18,9 @@ current stream then waits for the copies before anything it enqueues next. On th
 
 Every error (unknown name, a bad folder, every slot held by in-flight requests) is raised before anything changes:
 slots, residency, LRU order, in-use counts and counters stay exactly as they were (a folder read before a
-:class:`NoFreeSlot` keeps its parsed copy). The store recognizes its own loads (``mm.slots.writes``): an adapter
+:class:`NoFreeSlot` keeps its parsed copy). The one exception is a slot write failing part-way (an internal error,
+such as running out of memory): the adapters written before it stay resident, counted as loads and misses, not held.
+"Least recently used" counts an adapter as used until its last holder releases it. The store recognizes its own loads (``mm.slots.writes``): an adapter
 unloaded from ``mm`` directly, or loaded again there under the same name, is no longer taken as resident.
 
 With :class:`~moe_lora_compile.graphs.DecodeGraphs` (a prefill resolves names to slots for the whole generation, so
@@ -31,7 +34,10 @@ hold the adapters until its last step)::
 
 Adapters the store manages must only be run inside ``acquire``/``release`` (or ``use``): outside it their slot may
 be given to another adapter. Adapters loaded into ``mm`` directly (``mm.load_adapter``) keep their slots; the store
-pages through the other slots.
+pages through the other slots. Once its cache fills every free slot, a later direct load finds none: unregister a
+store adapter, or unload one that no request holds from ``mm`` (``mm.unload_adapter(name)``; the store notices).
+Use one store per model: a second store sees the first one's adapters as loaded outside it, never evicts them, and
+refuses names the other has loaded.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -53,8 +59,8 @@ from ..ops.contract import NO_ADAPTER
 
 class NoFreeSlot(RuntimeError):
     """:meth:`AdapterStore.acquire` found no slot: every slot holds an adapter that in-flight requests use.
-    ``held``: the names that held slots then (empty: the slots hold adapters loaded into the model directly, which
-    no release of a request frees)."""
+    ``held``: the names that held slots then (empty: the slots hold adapters loaded into the model outside this
+    store, which no release of a request frees)."""
 
     def __init__(self, message: str, held: Sequence[str] = ()):
         super().__init__(message)
@@ -84,7 +90,14 @@ class StoreCounters:
 @dataclasses.dataclass(eq=False)
 class _Entry:
     path: Optional[str]  # the folder, if registered from one
-    weights: Optional[AdapterWeights]  # the host copy once parsed
+    weights: Optional[AdapterWeights]  # the host copy once parsed, in the slot dtypes of the model now
+    original: Optional[AdapterWeights] = None  # the first host copy: casts of the model start from it, never from a
+    # copy cast since (half then float would otherwise serve factors rounded to half)
+
+    def set_weights(self, weights: AdapterWeights) -> None:
+        self.weights = weights
+        if self.original is None:
+            self.original = weights
 
 
 class AdapterStore:
@@ -96,6 +109,10 @@ class AdapterStore:
     """
 
     def __init__(self, mm, *, pin_memory: Optional[bool] = None):
+        from ..models.attach import MultiLoRAModel
+
+        if not isinstance(mm, MultiLoRAModel):
+            raise TypeError(f"mm must be the MultiLoRAModel that attach(model) returns, got {type(mm).__name__}")
         self.mm = mm
         self.device = mm.token_lora_ids.device
         on_cuda = self.device.type == "cuda"
@@ -137,7 +154,7 @@ class AdapterStore:
             return list(self._entries)
 
     def __contains__(self, name) -> bool:
-        return name in self._entries
+        return isinstance(name, str) and name in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -153,26 +170,36 @@ class AdapterStore:
         to live traffic, preload them before serving."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        if not isinstance(source, (str, os.PathLike, Mapping)):
+            raise TypeError(f"source must be a PEFT adapter folder (str or os.PathLike) or parsed factors (a dict "
+                            f"{{module name: ExpertsLoRA | LinearLoRA}}), got {type(source).__name__}")
         with self._lock:
             self._check_free_name(name)
             if isinstance(source, (str, os.PathLike)):
                 entry = _Entry(os.fspath(source), None)
+                if os.path.isfile(entry.path):
+                    raise ValueError(f"source: {entry.path!r} of {name!r} is a file, not an adapter folder (pass the "
+                                     f"folder holding adapter_config.json and adapter_model.safetensors)")
                 if not os.path.isdir(entry.path):
-                    raise FileNotFoundError(f"path: adapter folder {entry.path!r} of {name!r} does not exist")
+                    raise FileNotFoundError(f"source: adapter folder {entry.path!r} of {name!r} does not exist")
                 if preload:
-                    entry.weights, seconds = self._parse(entry)
+                    weights, seconds = self._parse(entry)
+                    entry.set_weights(weights)
                     self._counters.disk_loads += 1
                     self._counters.parse_seconds += seconds
             else:
                 weights = self.mm.parse_adapter(source)
                 if not isinstance(source, AdapterWeights) and not self.pin_memory:
                     weights = weights.cloned()  # the caller's dict may share its tensors: keep a copy of our own
-                entry = _Entry(None, self._host_copy(weights))
+                entry = _Entry(None, None)
+                entry.set_weights(self._host_copy(weights))
             self._entries[name] = entry
 
     def unregister(self, name: str) -> None:
         """Forget ``name`` (its host copy too) and free its slot if it has one. KeyError if unknown, RuntimeError
         while an in-flight request holds it."""
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str (one adapter name), got {name!r}")
         with self._lock:
             self._check_known([name])
             if self._in_use.get(name):
@@ -193,7 +220,7 @@ class AdapterStore:
         slots until :meth:`release` with the same ``names``.
 
         KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load, or for a
-        name that was loaded into the model directly; :class:`NoFreeSlot` (a RuntimeError) when the adapters not in
+        name that was loaded into the model outside this store; :class:`NoFreeSlot` (a RuntimeError) when the adapters not in
         a slot do not fit in the slots that are free or held by no request. On any error nothing changes (slots,
         residency, LRU order, in-use counts, counters), except that folders read before a :class:`NoFreeSlot` keep
         their parsed host copy (counted in ``disk_loads``): a request waiting for a slot does not re-read them.
@@ -211,13 +238,16 @@ class AdapterStore:
                 for n in missing:
                     if n in prepared:
                         continue
-                    if self._entries[n].weights is None:
-                        parsed[n], seconds = self._parse(self._entries[n])
+                    entry = self._entries[n]
+                    if entry.weights is None:
+                        parsed[n], seconds = self._parse(entry)
                         parse_seconds += seconds
-                    else:  # a host copy parsed before the model was cast (mm.half()): checked and cast again
-                        current = self.mm.parse_adapter(self._entries[n].weights)
-                        if current is not self._entries[n].weights:
-                            recast[n] = self._host_copy(current)
+                    elif (current := self.mm.parse_adapter(entry.weights)) is not entry.weights:
+                        # the model was cast since this copy was made (mm.half()): checked and cast again, from the
+                        # first copy (a cast back to its dtype serves it unrounded)
+                        if entry.original is not entry.weights:
+                            current = self.mm.parse_adapter(entry.original)
+                        recast[n] = current if current is entry.original else self._host_copy(current)
                 prepared.update(missing)
                 with self.mm.lock:  # no pin, load or unload in mm between the plan and the writes
                     # what another thread did in mm while the folders parsed: a direct load of a store name is
@@ -226,7 +256,7 @@ class AdapterStore:
                     missing = [n for n in wanted if n not in self._lru]
                     self._refuse_direct_loads(missing)
                     for n, weights in {**parsed, **recast}.items():  # kept even if no slot is found below: a
-                        self._entries[n].weights = weights  # waiting request does not re-read its folder
+                        self._entries[n].set_weights(weights)  # waiting request does not re-read its folder
                     self._counters.disk_loads += len(parsed)
                     self._counters.parse_seconds += parse_seconds
                     if not set(missing) <= prepared:  # a resident name dropped meanwhile: prepare it, unlocked
@@ -249,12 +279,21 @@ class AdapterStore:
                 plan.append((n, self._lru[victim], victim))
         # from here on nothing is expected to fail
         c = self._counters
+        written = 0
         for n, slot, victim in plan:
             weights = self._entries[n].weights
             start = time.perf_counter()
-            self._write(n, slot, victim, weights)
+            try:
+                self._write(n, slot, victim, weights)
+            except BaseException:  # a slot write failed (out of memory, say): the records follow what mm holds now
+                if victim is not None and not self.mm.slots.holds(victim, slot):
+                    c.evictions += 1
+                c.misses += written  # the adapters written before it stay resident, not held
+                self._sync()
+                raise
             c.load_seconds += time.perf_counter() - start
             c.loads += 1
+            written += 1
             c.bytes_copied += weights.nbytes
             if victim is not None:
                 c.evictions += 1
@@ -275,8 +314,9 @@ class AdapterStore:
         neither may silently replace the other."""
         direct = [n for n in missing if n in self.mm.adapters]
         if direct:
-            raise ValueError(f"adapters: {direct} are loaded into the model directly (mm.load_adapter) under names "
-                             f"registered in this store; unload them from the model first")
+            raise ValueError(f"adapters: {direct} are loaded into the model outside this store (mm.load_adapter, or "
+                             f"another AdapterStore on the same model) under names registered in this store; unload "
+                             f"them from the model first")
 
     def release(self, names: Sequence[Optional[str]]) -> None:
         """End a request's hold on its adapters (the ``names`` given to :meth:`acquire`). On CUDA, later loads into
@@ -292,6 +332,8 @@ class AdapterStore:
                 if not self._in_use[n]:
                     del self._in_use[n]
                 self.mm._unpin_adapter(n)
+                if n in self._lru:  # used until now: the last to be evicted (not when it was acquired)
+                    self._lru.move_to_end(n)
                 if self._stream is not None and n in self._lru:
                     event = torch.cuda.Event()
                     event.record(torch.cuda.current_stream(self.device))
@@ -299,25 +341,28 @@ class AdapterStore:
 
     @contextlib.contextmanager
     def use(self, names: Sequence[Optional[str]]) -> Iterator[list[int]]:
-        """``with store.use(names) as slots:`` acquire on entry, release on exit."""
+        """``with store.use(names) as slots:`` acquire on entry, release on exit (what was acquired: a change to the
+        caller's ``names`` list inside the block does not change what is released)."""
         slots = self.acquire(names)
+        held = list(names)
         try:
             yield slots
         finally:
-            self.release(names)
+            self.release(held)
 
     # --- internals -----------------------------------------------------------------------------------------------
     def _check_free_name(self, name: str) -> None:
         if name in self._entries:
             raise ValueError(f"name: adapter {name!r} is already registered; unregister it first")
         if name in self.mm.adapters:
-            raise ValueError(f"name: adapter {name!r} is already loaded into the model directly "
-                             f"(slot {self.mm.adapters[name]}); unload it there first")
+            raise ValueError(f"name: adapter {name!r} is already loaded into the model outside this store (slot "
+                             f"{self.mm.adapters[name]}; mm.load_adapter, or another AdapterStore on the same model); "
+                             f"unload it there first")
 
     def _check_known(self, names: Sequence[str]) -> None:
         unknown = [n for n in names if n not in self._entries]
         if unknown:
-            raise KeyError(f"adapters: unknown adapter(s) {unknown}; registered: {sorted(self._entries)}")
+            raise KeyError(f"adapters: unknown adapter(s) {unknown}; registered: {_some(sorted(self._entries))}")
 
     def _sync(self) -> None:
         """Drop residency records that the model no longer backs: an adapter unloaded from ``mm`` directly, or its
@@ -353,16 +398,18 @@ class AdapterStore:
         outside = sorted(set(self.mm.adapters) - set(self._lru))
         where = [f"{len(free)} free"]
         if own:
-            where.append(f"{len(own)} holding this request's own adapters {own}")
+            where.append(f"{len(own)} holding this request's own adapters {_some(own)}")
         if held:
-            where.append(f"{len(held)} held by in-flight requests {held}")
+            where.append(f"{len(held)} held by in-flight requests {_some(held)}")
         if outside:
-            where.append(f"{len(outside)} loaded into the model outside the store {outside}")
+            where.append(f"{len(outside)} loaded into the model outside this store (mm.load_adapter, or another "
+                         f"AdapterStore on the same model) {_some(outside)}")
         text = f"adapters: no slot for {missing}: of the {L} slots, {', '.join(where)}"
         if len(wanted) > L - len(outside):
             text += (f"; this request alone uses {len(wanted)} adapters, more than the {L - len(outside)} slots the "
                      f"store can use")
-        return text + "; release finished requests first, or attach with a larger max_loras"
+        way = "release finished requests first" if held else "unload adapters loaded outside this store"
+        return text + f"; {way}, or attach with a larger max_loras"
 
     def _write(self, name: str, slot: int, victim: Optional[str], weights: AdapterWeights) -> None:
         """``weights`` into ``slot`` as ``name`` (after evicting ``victim`` from it), under ``mm.lock``."""
@@ -383,6 +430,13 @@ class AdapterStore:
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
             torch.cuda.current_stream(self.device).wait_event(ready)  # the caller's next work sees the new slot
+
+
+def _some(names: list, limit: int = 16) -> str:
+    """``names`` as a list, the first ``limit`` of them and a count when there are more (stores of thousands)."""
+    if len(names) <= limit:
+        return str(names)
+    return f"{str(names[:limit])[:-1]}, ... ({len(names)} in all)]"
 
 
 def _all_pinned(weights: AdapterWeights) -> bool:

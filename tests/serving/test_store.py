@@ -246,15 +246,16 @@ def test_adapters_loaded_directly_keep_their_slot(setup):
     store = AdapterStore(mm)
     for name in NAMES[:3]:
         store.register(name, setup["paths"][name])
-    with pytest.raises(ValueError, match="loaded into the model directly"):
+    with pytest.raises(ValueError, match="loaded into the model outside this store"):
         store.register("direct", setup["paths"]["e"])
     for name in NAMES[:3]:
         assert _logits(mm, store, setup, [name, None]) is not None
         assert mm.adapters["direct"] == 0 and store.resident == {name: 1}
     with store.use(["a"]):
         with pytest.raises(RuntimeError, match=r"no slot for \['b'\]: of the 2 slots, 0 free, 1 held by in-flight "
-                                               r"requests \['a'\], 1 loaded into the model outside the store "
-                                               r"\['direct'\]"):
+                                               r"requests \['a'\], 1 loaded into the model outside this store "
+                                               r"\(mm.load_adapter, or another AdapterStore on the same model\) "
+                                               r"\['direct'\]; release finished requests first"):
             store.acquire(["b"])
 
 
@@ -359,7 +360,7 @@ def test_direct_loads_under_store_names_are_never_taken_for_the_stores_own(setup
     store.release(["b"])
     mm.load_adapter("a", setup["paths"]["c"])  # "a"'s name, "c"'s weights, loaded directly into the free slot
     before = _snapshot(mm, store)
-    with pytest.raises(ValueError, match=r"\['a'\] are loaded into the model directly"):
+    with pytest.raises(ValueError, match=r"\['a'\] are loaded into the model outside this store"):
         store.acquire(["a"])
     _assert_same(before, _snapshot(mm, store))  # "b" stays resident
     mm.unload_adapter("a")
@@ -368,7 +369,7 @@ def test_direct_loads_under_store_names_are_never_taken_for_the_stores_own(setup
     mm.unload_adapter("a")
     mm.load_adapter("a", setup["paths"]["d"])  # same name, same slot, other weights: written since the store's load
     assert "a" not in store.resident
-    with pytest.raises(ValueError, match="loaded into the model directly"):
+    with pytest.raises(ValueError, match="loaded into the model outside this store"):
         store.acquire(["a"])
     mm.unload_adapter("a")
     torch.testing.assert_close(_logits(mm, store, setup, ["a"]), setup["truth"]["a"][:1], rtol=1e-5, atol=1e-5)
@@ -402,7 +403,7 @@ def test_a_direct_load_while_acquire_parses_changes_nothing(setup):
     before = _snapshot(mm, store)
     # "b" loaded directly from another thread, between parse and plan
     with _race_while_parsing(mm, setup, "a", lambda: mm.load_adapter("b", setup["paths"]["c"])), \
-            pytest.raises(ValueError, match=r"\['b'\] are loaded into the model directly"):
+            pytest.raises(ValueError, match=r"\['b'\] are loaded into the model outside this store"):
         store.acquire(["a", "b"])
     after = _snapshot(mm, store)
     assert after["resident"] == before["resident"] == [] and after["counters"] == before["counters"]
@@ -540,3 +541,120 @@ def test_a_failed_slot_write_leaves_the_counters_as_they_were(setup, monkeypatch
     c = store.counters
     assert (c.hits, c.misses, c.loads) == (1, 2, 2)
     store.release(["a", "b"])
+
+
+def _rank0(mm):
+    """Factors of rank 0 for every dense module (shapes right, no LoRA in them)."""
+    return {name: LinearLoRA(torch.zeros(0, m.in_features), torch.zeros(m.out_features, 0))
+            for name, m in mm.slots.linear_modules.items()}
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda mm: {n: ExpertsLoRA() for n in mm.slots.experts_modules}, id="experts-pairs-all-None"),
+    pytest.param(lambda mm: {n: LinearLoRA(None, None) for n in mm.slots.linear_modules}, id="dense-pairs-None"),
+    pytest.param(_rank0, id="rank-0-factors"),
+])
+def test_factors_without_lora_are_refused(setup, make):
+    """Parsed factors with no pair of rank >= 1 would serve the base model under the adapter's name (as the empty
+    dict, refused before): refused by register and by mm.load_adapter_weights, nothing registered or loaded."""
+    mm, store = _store(setup)
+    with pytest.raises(ValueError, match="no LoRA factors of rank >= 1"):
+        store.register("empty", make(mm))
+    with pytest.raises(ValueError, match="no LoRA factors of rank >= 1"):
+        mm.load_adapter_weights("empty", make(mm))
+    assert "empty" not in store and "empty" not in mm.adapters
+
+
+def test_use_releases_what_it_acquired_when_the_callers_list_changes(setup):
+    """``store.use(names)`` releases the names it acquired: a caller editing its list inside the block released the
+    edited list (a ValueError for a name not held) and left the acquired adapters held for good."""
+    mm, store = _store(setup, preload=True)
+    names = ["a"]
+    with store.use(names):
+        names[0] = "b"
+    assert store.in_use == {} and mm._pins == {}
+    assert store.acquire(["b", "c"]) == [1, 0]  # both slots free to take: a is held by nobody
+    store.release(["b", "c"])
+
+
+def test_a_cast_and_back_serves_the_first_copy_unrounded(setup):
+    """mm.half() then mm.float(): an adapter paged in again is the folder's fp32 factors, not the fp16 copy widened
+    (bit-identical slots to a fresh load into the same model), as are the logits."""
+    mm, store = _store(setup, max_loras=1, preload=True)
+    for name in ("a", "b"):  # a paged in as fp32, then evicted by b
+        with store.use([name]):
+            pass
+    mm.half()
+    for name in ("a", "b"):  # a paged in as fp16 (a miss: its host copy cast), then evicted by b
+        with store.use([name]):
+            pass
+    mm.float()
+    logits = _logits(mm, store, setup, ["a"])
+    fresh = attach(copy.deepcopy(setup["base"]).half().float(), max_loras=1, max_rank=8)
+    fresh.load_adapter("a", setup["paths"]["a"])
+    assert all(torch.equal(x, y) for x, y in zip(_slot_buffers(mm, 0), _slot_buffers(fresh, 0)))
+    with torch.no_grad():
+        want = fresh(setup["input_ids"][:1], adapters=["a"], use_cache=False).logits
+    assert torch.equal(logits, want)
+
+
+def test_least_recently_used_counts_until_release(setup):
+    """A long request on a, a short one on b that ends first, then a's ends: the next miss evicts b (the adapter used
+    longest ago), not a (acquired first, used until just now)."""
+    mm, store = _store(setup, preload=True)
+    store.acquire(["a"])
+    with store.use(["b"]):
+        pass
+    store.release(["a"])
+    with store.use(["c"]):
+        pass
+    assert store.resident == {"a": 0, "c": 1}
+    assert store.counters.evictions == 1
+
+
+def test_a_slot_write_failing_part_way_keeps_records_and_counters_true(setup, monkeypatch):
+    """The second of two writes fails after its eviction: the first adapter stays resident and counts as a load and
+    a miss, the evicted one counts as an eviction, the store's records match the model, nothing is held; the store
+    serves correctly after."""
+    mm, store = _store(setup, preload=True)
+    with store.use(["a"]):
+        pass
+    real = mm.load_adapter_weights
+
+    def fail_for_c(name, *args, **kwargs):
+        if name == "c":
+            raise RuntimeError("write failed")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(mm, "load_adapter_weights", fail_for_c)
+    with pytest.raises(RuntimeError, match="write failed"):
+        store.acquire(["b", "c"])  # b into the free slot 1, c evicts a from slot 0 and fails
+    monkeypatch.undo()
+    assert store.resident == mm.adapters == {"b": 1}
+    c = store.counters
+    assert (c.loads, c.misses, c.evictions) == (2, 2, 1) and store.in_use == {} and mm._pins == {}
+    logits = _logits(mm, store, setup, ["c", "b"])
+    torch.testing.assert_close(logits[0], setup["truth"]["c"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[1], setup["truth"]["b"][0], rtol=1e-5, atol=1e-5)
+
+
+def test_bad_store_arguments_are_named(setup):
+    mm, store = _store(setup)
+    with pytest.raises(TypeError, match="MultiLoRAModel that attach"):
+        AdapterStore(setup["base"])                      # the transformers model, not attach's result
+    with pytest.raises(TypeError, match="MultiLoRAModel that attach"):
+        AdapterStore(None)
+    file = os.path.join(setup["paths"]["a"], "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="is a file, not an adapter folder"):
+        store.register("f", file)                        # the weights file instead of its folder
+    with pytest.raises(TypeError, match="source must be a PEFT adapter folder"):
+        store.register("n", 42)
+    with pytest.raises(TypeError, match="name must be a str"):
+        store.unregister(["a"])                          # a list where one name goes
+    assert ["a"] not in store and "a" in store
+    for i in range(40):
+        store.register(f"extra{i}", setup["paths"]["a"])
+    with pytest.raises(KeyError, match=r"\.\.\. \(45 in all\)") as error:
+        store.acquire(["nope"])
+    assert len(str(error.value)) < 400                   # the first names and a count, not all of them
+    assert store.registered[:5] == NAMES and "f" not in store and "n" not in store
