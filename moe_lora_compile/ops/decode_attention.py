@@ -20,6 +20,7 @@ backward (calling one is a RuntimeError).
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
@@ -37,6 +38,8 @@ def _shape(t: Tensor) -> str:
 def check_decode_attention_args(query, key, value, mask, scaling, sinks) -> None:
     """Shape/dtype/device checks; ValueError/TypeError naming the argument."""
     for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor [B, heads, len, D], got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D ([B, heads, len, D]), got shape {_shape(t)}")
         if t.dtype not in _FLOAT_DTYPES:
@@ -155,5 +158,11 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Optional[T
     """``torch.ops.moe_lora.decode_attention``: query [B, H, S, D], key / value [B, Hkv, L, D], additive mask
     [B or 1, 1, S, >= L] or None, ``scaling`` (default ``D ** -0.5``), sinks [H] or None -> out [B, S, H, D]."""
     if scaling is None:
+        if not isinstance(query, Tensor) or query.dim() != 4 or query.shape[-1] < 1:
+            check_decode_attention_args(query, key, value, mask, 1.0, sinks)  # names the problem
+            raise ValueError(f"query's head dim D must be >= 1 for the default scaling D ** -0.5, got shape "
+                             f"{_shape(query)}")
         scaling = query.shape[-1] ** -0.5
+    elif isinstance(scaling, bool) or not isinstance(scaling, numbers.Real):
+        raise TypeError(f"scaling must be a float, got {scaling!r}")
     return torch.ops.moe_lora.decode_attention(query, key, value, mask, float(scaling), sinks)

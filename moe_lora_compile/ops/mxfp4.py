@@ -198,7 +198,8 @@ def quantize_mxfp4(w: Tensor) -> Mxfp4Weight:
     exponent = exponent.to(torch.int32)
     exponent = torch.where(amax <= FP4_MAX * _power_of_two(exponent - 1, acc), exponent - 1, exponent)
     exponent = torch.where(amax > FP4_MAX * _power_of_two(exponent, acc), exponent + 1, exponent)
-    exponent = torch.where(amax == 0, 1 - SCALE_BIAS, exponent).clamp(1 - SCALE_BIAS, _MAX_SCALE - SCALE_BIAS)
+    # amax / 6 == 0: a zero group, or one of fp32's two smallest subnormals (amax / 6 underflows): the smallest scale
+    exponent = torch.where(amax / FP4_MAX == 0, 1 - SCALE_BIAS, exponent).clamp(1 - SCALE_BIAS, _MAX_SCALE - SCALE_BIAS)
     scaled = groups / _power_of_two(exponent, acc).unsqueeze(-1)
     magnitude = scaled.abs()
     code = torch.zeros(magnitude.shape, dtype=torch.uint8, device=w.device)

@@ -44,6 +44,9 @@ MOE_BAD = [
     ("lora_a2", lambda t: t[:, :, :-1], ValueError, "lora_b2 must have shape [L, E, H, R2] = [3, 4, 16, 3] matching "
                                                     "lora_a2"),
     ("lora_b2", lambda t: t[0], ValueError, "lora_b2 must be 4-D"),
+    # None where a tensor goes (an AttributeError from the checks before)
+    ("token_lora_ids", lambda t: None, TypeError, "token_lora_ids must be a tensor [T], got NoneType"),
+    ("x", lambda t: None, TypeError, "x must be a tensor"),
 ]
 
 
@@ -90,6 +93,8 @@ LINEAR_BAD = [
     (3, lambda t: t[:1], ValueError, "lora_b must have shape [L, out, R]"),  # slot-count mismatch
     (4, lambda t: t.float(), TypeError, "token_lora_ids must be int32 or int64"),
     (4, lambda t: torch.full_like(t, 7), ValueError, "token_lora_ids values must lie in [-1, 3)"),
+    (0, lambda t: None, TypeError, "x must be a tensor [T, in], got NoneType"),  # (an AttributeError before)
+    (2, lambda t: None, TypeError, "lora_a must be a tensor"),
 ]
 
 
@@ -284,3 +289,21 @@ def test_mixed_dtypes_on_cuda_run_the_reference_and_say_so():
         w.simplefilter("error")
         cuda_impl.lora_linear_cuda(x, weight, a, b, ids)  # once per op and dtypes
         assert not cuda_impl._kernel_covers("lora_linear", x.double(), weight=weight.double())  # float64: no warning
+
+
+def test_router_and_attention_name_a_missing_tensor():
+    """None where a tensor goes: a TypeError naming it (an AttributeError from the checks before); the attention's
+    default scaling of a head dim 0, and a scaling given as a string, are named too (ZeroDivisionError / silently
+    parsed before)."""
+    from moe_lora_compile.ops.decode_attention import decode_attention
+    from moe_lora_compile.ops.router import route
+
+    with pytest.raises(TypeError, match=r"hidden must be a tensor \[T, H\], got NoneType"):
+        route(None, torch.randn(4, 8), top_k=2, scoring="topk_softmax")
+    q, kv = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(TypeError, match=r"key must be a tensor \[B, heads, len, D\], got NoneType"):
+        decode_attention(q, None, kv)
+    with pytest.raises(TypeError, match="scaling must be a float, got '0.5'"):
+        decode_attention(q, kv, kv, scaling="0.5")
+    with pytest.raises(ValueError, match="head dim D must be >= 1 for the default scaling"):
+        decode_attention(q[..., :0], kv[..., :0], kv[..., :0])

@@ -114,6 +114,9 @@ def test_quantize_nearest_code_minimal_scale(dtype):
     w = w * torch.logspace(-30, 30, 40, dtype=torch.float64)  # columns (rows N) of very different magnitudes
     w[0, :32, 0] = 0.0  # an all-zero group
     w = w.to(dtype)
+    if dtype == torch.float32:  # groups of fp32's two smallest subnormals (amax / 6 underflows: byte 126 before)
+        w[1, :32, 1] = torch.tensor(2.0 ** -149, dtype=dtype)
+        w[1, 32:, 1] = torch.tensor(-(2.0 ** -148), dtype=dtype)
     q = quantize_mxfp4(w)
     assert q.blocks.shape == (3, 40, 2, 16) and q.scales.shape == (3, 40, 2) and q.shape == w.shape
     s = torch.ldexp(torch.ones(q.scales.shape, dtype=torch.float64), q.scales.long() - 127).unsqueeze(-1)

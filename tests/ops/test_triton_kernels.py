@@ -15,6 +15,7 @@ import torch
 from support.cases import MoECase
 from support.oracle import lora_linear_oracle, moe_lora_oracle
 
+from moe_lora_compile.ops.reference import fused_moe_lora_reference
 from moe_lora_compile.ops.triton.configs import GemmConfig, MoEKernelConfig, ShrinkConfig
 from moe_lora_compile.ops.triton.launch import fused_moe_lora_triton, lora_linear_triton
 from moe_lora_compile.ops.triton.routing import max_blocks, sort_pairs
@@ -304,6 +305,32 @@ def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad
     torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-4)
     whole = bad.all(dim=1)  # tokens with every pair out of range: exactly zero
     assert torch.equal(y.cpu()[whole], torch.zeros_like(y.cpu()[whole]))
+
+
+@pytest.mark.parametrize("case,config,bad_ids", OUT_OF_RANGE_EXPERTS)
+def test_out_of_range_ids_reaching_the_reference_read_as_the_kernels_read_them(case, config, bad_ids):
+    """The PyTorch reference is also the CUDA impl's fallback (mixed dtypes, float64), where unchecked ids reach it as
+    they reach the kernels: an expert outside [0, E) adds nothing, a slot outside [-1, L) is -1. Before, expert -1
+    wrapped to expert E - 1 (added with its full routing weight) and E or slot L raised IndexError (on CUDA a
+    device-side assert)."""
+    args, kwargs = case.make("cpu")
+    args = list(args)
+    ids = args[1].clone()
+    bad = torch.zeros(ids.shape, dtype=torch.bool)
+    for (t, j), e in bad_ids.items():
+        ids[t, j] = e
+        bad[t, j] = True
+    args[1] = ids
+    L = args[6].shape[0]
+    slots = args[3].clone()
+    slots[::2] = torch.tensor([L, -2, L + 5])[torch.arange(slots[::2].numel()) % 3].to(slots.dtype)  # unchecked
+    args[3] = slots
+    y = fused_moe_lora_reference(*args, **kwargs)
+    want_args, want_kwargs = _with_a_zero_expert(args, kwargs, bad)
+    want_args[3] = torch.where((slots >= 0) & (slots < L), slots, -1)
+    torch.testing.assert_close(y.double(), oracle(want_args, want_kwargs), rtol=1e-5, atol=1e-5)
+    whole = bad.all(dim=1)
+    assert torch.equal(y[whole], torch.zeros_like(y[whole]))
 
 
 @pytest.mark.parametrize("per_pair", [False, True], ids=["sorted", "per-pair-topk-sum"])
