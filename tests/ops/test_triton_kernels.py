@@ -286,13 +286,8 @@ OUT_OF_RANGE_EXPERTS = [
 ]
 
 
-@pytest.mark.parametrize("case,config,bad_ids", OUT_OF_RANGE_EXPERTS)
-def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad_ids):
-    """Expert ids outside [0, E) that skip the op's checks (off inside CUDA graphs, MOE_LORA_CHECK_IDS=0): such a
-    pair adds nothing (no base GEMM, no LoRA, no bias), whatever path. Before, the kernels indexed the weights and
-    stacks with the id (per-pair: reads past W13/W2; sorted: an out-of-bounds atomic into the routing's counters)
-    and -1 read the last expert. (The op's CPU impl always refuses such ids: its checks run on the host.)"""
-    args, kwargs = case.make(DEVICE)
+def _bad_experts(args, bad_ids: dict) -> tuple[list, torch.Tensor]:
+    """``args`` with the expert ids ``{(token, j): id}`` written into topk_ids, and the [T, k] mask of those pairs."""
     args = list(args)
     ids = args[1].clone()
     bad = torch.zeros(ids.shape, dtype=torch.bool)
@@ -300,8 +295,19 @@ def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad
         ids[t, j] = e
         bad[t, j] = True
     args[1] = ids
+    return args, bad
+
+
+@pytest.mark.parametrize("case,config,bad_ids", OUT_OF_RANGE_EXPERTS)
+def test_out_of_range_experts_reaching_the_kernels_add_nothing(case, config, bad_ids):
+    """Expert ids outside [0, E) that skip the op's checks (off inside CUDA graphs, MOE_LORA_CHECK_IDS=0): such a
+    pair adds nothing (no base GEMM, no LoRA, no bias), whatever path. Before, the kernels indexed the weights and
+    stacks with the id (per-pair: reads past W13/W2; sorted: an out-of-bounds atomic into the routing's counters)
+    and -1 read the last expert. (The op's CPU impl always refuses such ids: its checks run on the host.)"""
+    args, kwargs = case.make(DEVICE)
+    args, bad = _bad_experts(args, bad_ids)
     y = fused_moe_lora_triton(*args, **kwargs, config=config)
-    want = oracle(*_with_a_zero_expert(args, kwargs, bad.to(ids.device)))
+    want = oracle(*_with_a_zero_expert(args, kwargs, bad.to(args[1].device)))
     torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-4)
     whole = bad.all(dim=1)  # tokens with every pair out of range: exactly zero
     assert torch.equal(y.cpu()[whole], torch.zeros_like(y.cpu()[whole]))
@@ -314,13 +320,7 @@ def test_out_of_range_ids_reaching_the_reference_read_as_the_kernels_read_them(c
     wrapped to expert E - 1 (added with its full routing weight) and E or slot L raised IndexError (on CUDA a
     device-side assert)."""
     args, kwargs = case.make("cpu")
-    args = list(args)
-    ids = args[1].clone()
-    bad = torch.zeros(ids.shape, dtype=torch.bool)
-    for (t, j), e in bad_ids.items():
-        ids[t, j] = e
-        bad[t, j] = True
-    args[1] = ids
+    args, bad = _bad_experts(args, bad_ids)
     L = args[6].shape[0]
     slots = args[3].clone()
     slots[::2] = torch.tensor([L, -2, L + 5])[torch.arange(slots[::2].numel()) % 3].to(slots.dtype)  # unchecked
