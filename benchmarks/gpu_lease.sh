@@ -67,7 +67,7 @@ tests)
       $FAILED_IDS
     tail -15 "$W/gpu_rerun.log"
   fi
-  # micro-benchmarks after the tests, chosen by MICRO (default: all of them but tune_mxfp4, in this order)
+  # micro-benchmarks after the tests, chosen by MICRO (default: all of them but tune_mxfp4 and tunecheck, in this order)
   for m in ${MICRO:-attn ablation mxfp4 ranks router tune}; do case $m in
     attn) step attn 60 python3 benchmarks/bench_attention.py --batches 1 8 64 --md "$W/attn.md" ;;
     ablation) step ablation 60 python3 benchmarks/bench_fused_moe_lora.py --decode-ablation --models gpt-oss-20b \
@@ -84,6 +84,16 @@ tests)
       cp moe_lora_compile/configs/NVIDIA_*.json "$W/" 2>/dev/null
       step mxfp4_tuned 60 python3 benchmarks/bench_fused_moe_lora.py --mxfp4 --quick --json "$W/mxfp4_tuned.json" \
         --md "$W/mxfp4_tuned.md" ;;
+    # the three tuners briefly, to see their float32 reference check on real shapes (1e265bb: a candidate more than
+    # configs.MAX_REL_ERROR off is rejected; bf16 output rounding is ~0.3 %, so a rejection here names a wrong config
+    # or a wrong check): their tables merge into the package's copy on the device only, none comes back
+    tunecheck) step tunecheck_moe 70 python3 -m moe_lora_compile tune --model gpt-oss-20b --tokens 1 --ranks 16 \
+      --budget-s 25
+      step tunecheck_mxfp4 60 python3 -m moe_lora_compile tune --model gpt-oss-20b --mxfp4 --tokens 1 --ranks 16 \
+        --budget-s 20
+      step tunecheck_linear 60 python3 -m moe_lora_compile.ops.triton.tune_linear --models gpt-oss-20b \
+        --budget-s 20 --out "$W/linear_check.json"
+      grep -c "rejected" "$W"/tunecheck_*.log | tee -a "$W/steps.txt" ;;
     # the dense LoRA tuner (GPT-OSS-20B shapes; merges into the package's table, a copy comes back)
     tune) step tune_linear 130 python3 -m moe_lora_compile.ops.triton.tune_linear --models gpt-oss-20b \
       --budget-s 95 --out "$W/NVIDIA_H200_linear.json"
