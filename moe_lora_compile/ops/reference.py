@@ -139,14 +139,18 @@ def fused_moe_lora_reference(
     transposed = is_transposed(layout)
     acc = torch.float32 if x.dtype != torch.float64 else torch.float64
 
-    # ids out of range (unchecked: MOE_LORA_CHECK_IDS=0 or graph capture, where this runs as the CUDA fallback) read
-    # as the kernels read them, as data: an expert outside [0, E) adds nothing, a slot outside [-1, L) is -1
-    E, L = w13.shape[0], lora_a13.shape[0]
     experts = topk_ids.reshape(-1).long()  # [P], P = T*k, token-major
-    expert_ok = (experts >= 0) & (experts < E)
-    experts = torch.where(expert_ok, experts, 0)
     lora_ids = token_lora_ids.long().unsqueeze(1).expand(T, k).reshape(-1)
-    lora_ids = torch.where(lora_ids < L, lora_ids, -1)
+    expert_ok = None
+    if not torch.compiler.is_compiling():
+        # eager, where this runs as the CUDA impl's fallback (mixed dtypes, float64) and unchecked ids can reach it
+        # (MOE_LORA_CHECK_IDS=0, graph capture): read them as the kernels do, as data: an expert outside [0, E) adds
+        # nothing, a slot outside [-1, L) is -1. Not in traced code, whose graph the fusion pass matches (a mask
+        # there hid the MoE pattern from it); the CPU impl refuses such ids on the host anyway.
+        E, L = w13.shape[0], lora_a13.shape[0]
+        expert_ok = (experts >= 0) & (experts < E)
+        experts = torch.where(expert_ok, experts, 0)
+        lora_ids = torch.where(lora_ids < L, lora_ids, -1)
     weights = topk_weights.to(acc).reshape(-1, 1)
     xp = x.to(acc).unsqueeze(1).expand(T, k, H).reshape(-1, H)  # [P, H]
     if routing_weight_on_input:
@@ -168,7 +172,8 @@ def fused_moe_lora_reference(
         out = out + w2_bias[experts].to(acc)
     if not routing_weight_on_input:
         out = out * weights
-    out = torch.where(expert_ok.unsqueeze(-1), out, 0.0)
+    if expert_ok is not None:
+        out = torch.where(expert_ok.unsqueeze(-1), out, 0.0)
     return out.reshape(T, k, H).sum(dim=1).to(x.dtype)
 
 
