@@ -31,6 +31,12 @@ class DumpReport:
     post_grad_files: list[str]
     sites: list[FusedOpSite]
     recompiled: bool = False  # Dynamo's cache answered the first run: its caches were reset and it compiled again
+    expected_ops: tuple[str, ...] = ()  # ops the caller knows the graphs must hold (the MoE op of an MoE model)
+
+    def missing_ops(self) -> list[str]:
+        """The ``expected_ops`` that no site calls."""
+        found = {site.op for site in self.sites}
+        return [op for op in self.expected_ops if op not in found]
 
     def op_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -51,6 +57,9 @@ class DumpReport:
                          "(mlc.compile, or torch.compile with the default backend)?")
         counts = self.op_counts()
         lines.append("fused ops: " + (", ".join(f"{op} x{n}" for op, n in sorted(counts.items())) or "none"))
+        if self.missing_ops():
+            lines.append(f"MISSING: {', '.join(self.missing_ops())} (the fusion pass did not rewrite this model's "
+                         f"layers; MOE_LORA_PASS_LOG=1 says where its matchers stopped)")
         lines += [f"  {site}" for site in self.sites]
         return "\n".join(lines)
 

@@ -31,7 +31,9 @@ def reload() -> None:
 class Switch:
     """One environment variable: ``name``, the value used when it is unset (``default``), what it does (``doc``);
     ``read_once``: read at first use and kept (hot-path switches); ``strict``: :meth:`enabled` refuses a value that
-    is neither an on nor an off word (a typo must not turn a switch on; False for Triton's own variable);
+    is neither an on nor an off word (a typo must not turn a switch on); False for Triton's own variable, read as
+    Triton reads it: on only for an on word as written (``2``, ``garbage`` or `` 1 `` leave Triton's interpreter
+    off, so they must not send our code down its interpreter paths);
     ``on_off``: an on/off switch (False: its values are words of its own, checked where it is read)."""
 
     name: str
@@ -57,12 +59,14 @@ class Switch:
 
     def enabled(self) -> bool:
         """False for ``0``, ``false``, ``off``, ``no``, True for ``1``, ``true``, ``on``, ``yes`` (case-insensitive;
-        unset or empty: the default's); anything else is a ValueError naming the variable (True, if not
-        ``strict``)."""
+        unset or empty: the default's); anything else is a ValueError naming the variable (if not
+        ``strict``: on for an on word as written, off otherwise)."""
+        if not self.strict:
+            return self.value().lower() in _ON
         value = self.value().strip().lower()
         if value in _OFF:
             return False
-        if value in _ON or not self.strict:
+        if value in _ON:
             return True
         raise ValueError(f"{self.name}={self.raw()!r}: use 1, true, on or yes, or 0, false, off or no "
                          f"(unset: {self.default!r})")

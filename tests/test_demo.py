@@ -50,3 +50,22 @@ def test_peft_section_in_bf16_measures_both_sides_against_float32():
     assert r["ok"], r
     assert r["near_tie_tokens"] <= r["tokens"] // 8, r
     assert 0 < r["max_abs_err"] <= r["tol"] and 0 < r["peft_eager_err"]
+
+
+@pytest.mark.slow
+def test_demo_and_dump_fail_when_no_moe_layer_is_fused(monkeypatch, capsys, tmp_path):
+    """The pass fusing only the dense layers (its MoE matcher stopped, as a change of the reference's graph once made
+    it) is a failure of both commands: they exited 0 on their lora_linear sites and accuracy alone."""
+    from moe_lora_compile.passes import moe_patterns
+    from moe_lora_compile.passes.fx_match import NoMatch
+
+    def no_moe(anchor):
+        raise NoMatch(f"{anchor.name}: the test's stand-in for a matcher that stopped")
+
+    monkeypatch.setattr(moe_patterns, "match_moe", no_moe)
+    assert main(["demo", "--skip-peft", "--batch", "3", "--seq-len", "4"]) == 1
+    assert "MISSING fused_moe_lora" in capsys.readouterr().out
+    pytest.importorskip("depyf")
+    assert main(["dump", str(tmp_path / "dump")]) == 1
+    out = capsys.readouterr().out
+    assert "lora_linear x" in out and "MISSING: fused_moe_lora" in out

@@ -33,9 +33,13 @@ def test_a_typo_is_refused_naming_the_variable(set_switch, switch):
         switch.enabled()
 
 
-def test_triton_interpret_reads_as_triton_does(set_switch):
-    set_switch(settings.TRITON_INTERPRET, "anything")  # not ours: any non-off value is on
-    assert settings.TRITON_INTERPRET.enabled()
+@pytest.mark.parametrize("value", ["1", "TRUE", "yes", "on", "0", "", "anything", "2", " 1 "])
+def test_triton_interpret_reads_as_triton_does(set_switch, value):
+    """Not ours: on exactly when Triton's own knob is ("anything", "2" and " 1 " were on for us and off for Triton,
+    so the CPU impls went down interpreter paths with no interpreter)."""
+    triton = pytest.importorskip("triton")
+    set_switch(settings.TRITON_INTERPRET, value)
+    assert settings.TRITON_INTERPRET.enabled() is bool(triton.knobs.runtime.interpret)
 
 
 @pytest.mark.parametrize("value,mode", [
