@@ -360,6 +360,9 @@ def _folder_error(folder: str) -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["tune"], ["serve-bench"]) and (problem := _switch_error()):  # as demo / dump: one line
+        print(f"moe-lora-compile {argv[0]}: error: {problem}", file=sys.stderr)
+        return 2
     if argv[:1] == ["tune"]:  # the tuner parses its own arguments
         from .ops.triton.tune import main as tune
 

@@ -2,7 +2,9 @@
 
 Each family has a short name (what the CLI, the examples and :func:`~moe_lora_compile.models.tiny.tiny_config`
 call it) and the transformers ``model_type`` values it serves (what ``config.model_type`` says, and what the README's
-table lists). Every command accepts either: ``llama4`` and ``llama4_text`` name the same family.
+table lists). Every command accepts either: ``llama4`` and ``llama4_text`` name the same family, in any case and with
+``-`` for ``_`` (``Qwen3-MoE``, ``GPT-OSS``). The dense models are named by their own ``model_type`` (``llama``,
+``mistral``, ``qwen2``, ``qwen3``), not by the group's name ``dense``.
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ FAMILY_CHOICES: tuple[str, ...] = TINY_FAMILIES + tuple(ALIASES)
 
 
 def canonical_family(name: str) -> str:
-    """The short name (one of :data:`TINY_FAMILIES`) of ``name``, which may be a short name or a model_type."""
+    """The short name (one of :data:`TINY_FAMILIES`) of ``name``, which may be a short name or a model_type (any
+    case, ``-`` for ``_``, surrounding blanks ignored)."""
+    given = name
+    if isinstance(name, str) and name not in TINY_FAMILIES and name not in ALIASES:
+        name = name.strip().lower().replace("-", "_")
     if name in TINY_FAMILIES:
         return name
     if name in ALIASES:
         return ALIASES[name]
-    raise ValueError(f"unknown family {name!r}; choose one of: {describe_choices()}")
+    if name == "dense":
+        raise ValueError(f"family 'dense' is a group: name the model_type, one of {FAMILY_MODEL_TYPES['dense']}")
+    raise ValueError(f"unknown family {given!r}; choose one of: {describe_choices()}")
 
 
 def describe_choices() -> str:

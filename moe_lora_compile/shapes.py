@@ -67,7 +67,9 @@ class DecodeModel:
     extra: tuple = ()
 
     def hf_config(self):
-        """The transformers config of this model (bf16, every field spelled out: defaults differ across 5.x)."""
+        """The transformers config of this model: every field a shape or the routing depends on spelled out
+        (defaults differ across 5.x); the rest are the config class's defaults (Qwen3-30B-A3B's rope_theta 1e6 and
+        40960 positions are not set: they change no shape, so no timing). No dtype: the caller builds in bf16."""
         import transformers
 
         g = self.moe

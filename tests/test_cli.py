@@ -63,6 +63,9 @@ def test_bad_values_are_one_line_before_any_work(tmp_path):
     # an on/off switch set to another word (was a traceback from where it is first read)
     _one_error_line(_run(*demo, env={"MOE_LORA_PROGRESS": "maybe"}), "MOE_LORA_PROGRESS='maybe'")
     _one_error_line(_run(*demo, env={"MOE_LORA_PASS_LOG": "maybe"}), "MOE_LORA_PASS_LOG='maybe'")
+    for command in ("tune", "serve-bench"):  # (their own parsers: a 40-line traceback before)
+        _one_error_line(_run("-m", "moe_lora_compile", command, "--help", env={"MOE_LORA_PASS_LOG": "maybe"}),
+                        f"moe-lora-compile {command}: error: MOE_LORA_PASS_LOG='maybe'")
     tune = ("-m", "moe_lora_compile", "tune", "--model", "qwen3-30b-a3b")
     _one_error_line(_run(*tune, "--tokens", "-1"), "--tokens", "must be >= 1")
     _one_error_line(_run(*tune, "--out", str(blocker / "t.json")), "--out", "not a writable folder")
@@ -109,6 +112,14 @@ def test_family_names_come_from_one_table():
     assert _parser().parse_args(["demo", "--family", "llama4_text"]).family == "llama4"
     with pytest.raises(ValueError, match="llama4 \\(or llama4_text\\)"):
         canonical_family("llama5")
+    # the spellings of the model cards: case, '-' for '_', blanks (each refused before)
+    for spelling, name in (("Mixtral", "mixtral"), ("Qwen3-MoE", "qwen3_moe"), ("GPT-OSS", "gpt_oss"),
+                           ("Llama4_Text", "llama4"), (" olmoe ", "olmoe")):
+        assert canonical_family(spelling) == name
+    with pytest.raises(ValueError, match="'dense' is a group: name the model_type"):
+        canonical_family("dense")
+    with pytest.raises(ValueError, match="unknown family 'Qwen4-MoE'"):
+        canonical_family("Qwen4-MoE")
 
 
 def test_package_imports_and_runs_the_ops_without_triton():
@@ -176,3 +187,13 @@ def test_demo_exit_code_needs_one_graph_no_break_no_recompile(monkeypatch, count
 
     monkeypatch.setattr(cli, "run_demo", lambda *a, **k: dict(ok=True, peft={"ok": True}, **counts))
     assert cli.main(["demo"]) == code
+
+
+def test_pass_log_lines_print_once_under_an_apps_logging_setup():
+    """MOE_LORA_PASS_LOG=1 adds the pass logger's own handler: with the app's logging configured too, each line
+    printed twice (the record propagated to the root handler)."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO); import moe_lora_compile.passes.fx_match as m; "
+            "m.log.info('one line')")
+    result = _run("-c", code, env={"MOE_LORA_PASS_LOG": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("one line") == 1, result.stderr

@@ -22,6 +22,7 @@ if settings.PASS_LOG.enabled() and not log.handlers:
     _handler.setFormatter(logging.Formatter("[moe_lora pass] %(message)s"))
     log.addHandler(_handler)
     log.setLevel(logging.INFO)
+    log.propagate = False  # an app's own logging setup would print every line a second time
 
 
 class NoMatch(Exception):
