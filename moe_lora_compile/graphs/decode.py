@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import inspect
 import numbers
+import operator
 import time
 import warnings
 from typing import Callable, Optional, Sequence
@@ -77,10 +78,17 @@ def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
     return model(input_ids=input_ids, **kwargs).logits
 
 
+def _is_index(value) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
 def _token_id(name: str, value, vocab: int) -> int:
     """``value`` as a token id in ``[0, vocab)``, else a ValueError naming ``name``."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = int(value)
+    if _is_index(value):  # a numpy integer too
+        value = operator.index(value)
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
         raise ValueError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
     return value
@@ -356,7 +364,9 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture(self) -> "DecodeGraphs":
         """Warm up and capture one CUDA graph per bucket (largest first, one shared memory pool), logging one line
-        per bucket. Capturing again replaces the graphs. With ``capture=False`` only runs one eager warm-up step.
+        per bucket. Capturing again replaces the graphs. With ``capture=False`` it allocates the cache and runs
+        warm-up steps eagerly: one of the largest bucket (``compile=False``), or one per bucket (``compile=True``,
+        which compiles each bucket's step now rather than in the first :meth:`step`).
         Ends any live :class:`DecodeState`. Holds ``mm.lock`` throughout: its warm-up ids would otherwise land in
         another thread's forward."""
         with self.mm.lock:
@@ -550,6 +560,12 @@ class DecodeGraphs:
         eos = gen.eos_token_id if eos_token_id is None else eos_token_id
         if isinstance(eos, Tensor) and not eos.is_floating_point() and eos.dim() <= 1:  # as mm.generate takes it
             eos = eos.tolist()
+        if type(eos).__module__ == "numpy" and getattr(eos, "ndim", None) in (0, 1):  # a numpy array of ids
+            eos = eos.tolist()
+        if _is_index(eos):
+            eos = operator.index(eos)
+        elif isinstance(eos, (list, tuple)) and all(_is_index(t) for t in eos):
+            eos = [operator.index(t) for t in eos]
         if eos is not None and not isinstance(eos, int) and not (
                 isinstance(eos, (list, tuple)) and all(isinstance(t, int) for t in eos)):
             raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..adapters.peft_loader import ExpertsTarget, LinearTarget, load_peft_adapter, recast_parsed
 from ..adapters.slots import AdapterSlots, AdapterWeights
-from .inputs import check_prompt_values, check_token_ids
+from .inputs import as_embedding_ids, check_prompt_values, check_token_ids
 from ..ops.contract import NO_ADAPTER
 from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intact, fusion_problem,
                     point_fused_views)
@@ -564,8 +564,14 @@ class MultiLoRAModel(nn.Module):
     def forward(self, input_ids: Optional[Tensor] = None, *, adapters: Optional[Sequence[Optional[str]]] = None,
                 **kwargs):
         """The wrapped model's forward (``input_ids [B,S]`` -> its output, e.g. ``.logits [B,S,V]``) with
-        ``adapters[b]`` applied to sequence ``b``."""
-        with self._selected(adapters, self._batch_size(input_ids, kwargs)):
+        ``adapters[b]`` applied to sequence ``b``. Shapes and dtypes are checked, not the ids' values (that would be a
+        host sync per forward): an id outside the vocabulary fails in the embedding (an IndexError on the CPU, a
+        device-side assert on CUDA); :meth:`generate` checks them."""
+        _refuse_adapter_synonyms(kwargs)
+        batch = self._batch_size(input_ids, kwargs)
+        if input_ids is not None:
+            input_ids = as_embedding_ids(input_ids)
+        with self._selected(adapters, batch):
             return self.model(input_ids=input_ids, **kwargs)
 
     @torch.no_grad()
@@ -585,11 +591,26 @@ class MultiLoRAModel(nn.Module):
                 "all sequences into one row and cannot apply per-row adapters (it waited forever on the model's "
                 "lock); use the default cache or cache_implementation='static', or "
                 "moe_lora_compile.serving.ServingEngine for continuous batching with adapters")
+        _refuse_adapter_synonyms(kwargs)
         batch = self._batch_size(input_ids, kwargs)
         if input_ids is not None:
-            check_prompt_values(input_ids, None, self.model.get_input_embeddings().num_embeddings)
+            input_ids = as_embedding_ids(input_ids)
+            check_prompt_values(input_ids, kwargs.get("attention_mask"),
+                                self.model.get_input_embeddings().num_embeddings, left_padding=False)
         with self._selected(adapters, batch):
             return self.model.generate(input_ids=input_ids, **kwargs)
+
+
+# keywords of other libraries' mixed-adapter calls (PEFT's adapter_names) and their likely misspellings: the wrapped
+# transformers forward takes any keyword and drops those it does not know, so every row ran the base model
+_ADAPTER_SYNONYMS = ("adapter_names", "adapter_name", "adapter", "lora_adapters", "lora_ids", "adapter_ids")
+
+
+def _refuse_adapter_synonyms(kwargs: dict) -> None:
+    given = [k for k in _ADAPTER_SYNONYMS if k in kwargs]
+    if given:
+        raise TypeError(f"{given[0]}=: not a keyword of this model (it would be dropped, every row run without an "
+                        f"adapter); name each row's adapter with adapters=[name or None, ...]")
 
 
 def attach(model: nn.Module, *, max_loras: int = 8, max_rank: int = 64, max_tokens: int = 8192,

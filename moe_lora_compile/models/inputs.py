@@ -19,9 +19,11 @@ def check_token_ids(name: str, ids) -> None:
         raise ValueError(f"{name} must have batch, seq_len >= 1, got {tuple(ids.shape)}")
 
 
-def check_prompt_values(input_ids: Tensor, attention_mask: Optional[Tensor], vocab: int) -> None:
+def check_prompt_values(input_ids: Tensor, attention_mask: Optional[Tensor], vocab: int,
+                        left_padding: bool = True) -> None:
     """Prompt ids in ``[0, vocab)``; ``attention_mask`` (if any) ``input_ids``'s shape, only 0s and 1s, each row
-    left padding then at least one token. One host sync (a device-side out-of-range id would be an assert)."""
+    with at least one token, and (``left_padding``) its padding on the left (transformers' generate also takes right
+    padding, with a warning). One host sync (a device-side out-of-range id would be an assert)."""
     b, S = input_ids.shape
     if attention_mask is not None:
         if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != (b, S):
@@ -37,8 +39,14 @@ def check_prompt_values(input_ids: Tensor, attention_mask: Optional[Tensor], voc
         raise ValueError(f"input_ids: ids outside the vocabulary [0, {vocab}) (min {low}, max {high})")
     if not_binary:
         raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
-    if right_padded:
+    if right_padded and left_padding:
         raise ValueError("attention_mask: padding must be on the left (a row's 0s before its 1s), as for "
                          "transformers' generate")
     if empty_row:
         raise ValueError("attention_mask: a row has no token (all 0)")
+
+
+def as_embedding_ids(ids: Tensor) -> Tensor:
+    """Checked token ids (:func:`check_token_ids`) in a dtype an embedding takes: int64 / int32 as they are, other
+    integer dtypes (int8, uint16 id tables, ...) as int64 (``F.embedding`` refused them, deep in the model)."""
+    return ids if ids.dtype in (torch.int64, torch.int32) else ids.long()

@@ -961,3 +961,33 @@ def test_attach_refuses_slots_larger_than_the_memory_before_allocating(adapters,
         attach(model, **kwargs)
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before  # refused before touching it
     assert not any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("keyword", ["adapter_names", "adapter", "adapter_name"])
+def test_adapter_keywords_of_other_apis_are_refused_not_dropped(mm, keyword):
+    """PEFT's adapter_names= (and near misses) went into transformers' forward, which drops unknown keywords: every
+    row ran the base model, silently (generate refused it only through transformers' own kwargs check)."""
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    for call in (mm, mm.generate):
+        with pytest.raises(TypeError, match=rf"{keyword}=: not a keyword of this model.*adapters=\["):
+            call(ids, **{keyword: ["x", None]})
+
+
+def test_generate_checks_the_attention_mask_and_the_ids_dtype(mm):
+    """mm.generate: a mask of another shape, or with a row of no token, is a ValueError naming it (a shape error deep
+    in the model / a silent generation before); right padding stays allowed, as in transformers' generate. Token ids
+    of a narrow integer dtype run as int64 ones (they failed inside F.embedding; DecodeGraphs took them already)."""
+    ids = torch.randint(3, 100, (2, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"attention_mask must be \[2, 5\] like input_ids"):
+        mm.generate(ids, adapters=["x", None], attention_mask=torch.ones(2, 4, dtype=torch.long), max_new_tokens=2)
+    empty_row = torch.ones(2, 5, dtype=torch.long)
+    empty_row[1] = 0
+    with pytest.raises(ValueError, match="a row has no token"):
+        mm.generate(ids, adapters=["x", None], attention_mask=empty_row, max_new_tokens=2)
+    right = torch.ones(2, 5, dtype=torch.long)
+    right[1, -1] = 0
+    assert mm.generate(ids, adapters=["x", None], attention_mask=right, max_new_tokens=2).shape == (2, 7)
+    with torch.no_grad():
+        assert torch.equal(mm(ids.to(torch.int16), adapters=["x", None]).logits, mm(ids, adapters=["x", None]).logits)
+    assert torch.equal(mm.generate(ids.to(torch.uint8), adapters=["x", None], max_new_tokens=2),
+                       mm.generate(ids, adapters=["x", None], max_new_tokens=2))

@@ -263,9 +263,15 @@ def test_left_padding_without_a_mask_is_inferred_like_mm_generate(setup):
     assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=6, attention_mask=(prompt != pad).long()),
                        want)
     eos = int(want[0, -3])
+    expected = mm.generate(prompt, adapters=MIXED, max_new_tokens=6, do_sample=False, eos_token_id=torch.tensor(eos))
     assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=6, eos_token_id=torch.tensor(eos)),
-                       mm.generate(prompt, adapters=MIXED, max_new_tokens=6, do_sample=False,
-                                   eos_token_id=torch.tensor(eos)))
+                       expected)
+    # numpy integers (ids read from a numpy tokenizer output), as mm.generate takes them (refused before, the pad
+    # message saying an in-range id was out of range)
+    np = pytest.importorskip("numpy")
+    for eos_id in (np.int64(eos), [np.int64(eos)], np.array([eos])):
+        assert torch.equal(graphs.generate(prompt, adapters=MIXED, max_new_tokens=6, eos_token_id=eos_id,
+                                           pad_token_id=np.int64(pad)), expected)
 
 
 def test_generate_warns_of_generation_config_it_does_not_apply(setup):
