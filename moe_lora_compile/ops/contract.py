@@ -19,7 +19,8 @@ Per-slot rank (``lora_ranks``, optional, int; data, never a guard): the slot buf
 the stacks, and slot ``l`` uses only its first ``rank`` entries of the rank axis: the others are never read (the
 kernels mask them off, so their bytes are not moved; the reference drops them, whatever they hold). ``fused_moe_lora``
 takes ``[2, L]``: row 0 the w13 rank of each slot (in the split gate/up form the rank of each half: gate entries
-``[0, rank)``, up entries ``[R/2, R/2 + rank)``), row 1 the w2 rank; values in ``[0, R]`` (split form: ``[0, R/2]``) / ``[0, R2]``.
+``[0, rank)``, up entries ``[R/2, R/2 + rank)``), row 1 the w2 rank; values in ``[0, R]`` (split form:
+``[0, R/2]``) / ``[0, R2]``.
 ``lora_linear`` takes ``[L]``, or ``[n, L]`` for a rank axis made of ``n`` equal blocks of ``R/n`` (fused sibling
 linears, block ``j`` = member ``j``), block ``j`` of slot ``l`` using its first ``lora_ranks[j, l]`` entries.
 ``None`` (the default): every slot at the full padded rank. Rank 0 = the slot adds nothing.

@@ -2,13 +2,13 @@
 
 Register adapters by name (a PEFT folder, read and validated on first use or at once with ``preload=True``; or
 already-parsed factors, validated at once; :meth:`MultiLoRAModel.parse_adapter`'s result is kept as is, not copied
-(unless it must be pinned), so several names can share one host copy). Each is parsed and validated once and kept as
-one host copy in the slot dtype (pinned when the model is on CUDA); after a cast of the model (``mm.half()``) a
-second copy in the new dtype is made from the first, which stays (a cast back serves the factors unrounded). The model's ``max_loras`` slots are a cache: :meth:`AdapterStore.acquire`
-returns the slots of a request's adapters, loading the ones not in a slot from their host copy and evicting the
-least recently used resident adapter that no in-flight request holds (through this store, or pinned in ``mm`` by a
-serving engine that uses it by name); the adapters stay pinned in their slots until :meth:`AdapterStore.release` (or
-use :meth:`AdapterStore.use`, a context manager).
+(unless it must be pinned), so several names can share one host copy). Each is parsed and validated once and kept as one
+host copy in the slot dtype (pinned when the model is on CUDA); after a cast of the model (``mm.half()``) a second copy
+in the new dtype is made from the first, which stays (a cast back serves the factors unrounded). The model's
+``max_loras`` slots are a cache: :meth:`AdapterStore.acquire` returns the slots of a request's adapters, loading the
+ones not in a slot from their host copy and evicting the least recently used resident adapter that no in-flight request
+holds (through this store, or pinned in ``mm`` by a serving engine that uses it by name); the adapters stay pinned in
+their slots until :meth:`AdapterStore.release` (or use :meth:`AdapterStore.use`, a context manager).
 
 Slot writes go through :meth:`MultiLoRAModel.load_adapter_weights`: in place (compiled graphs and captured CUDA
 graphs stay valid), under ``mm.lock`` (never between a running forward's id write and its model run). On CUDA the
@@ -20,8 +20,9 @@ Every error (unknown name, a bad folder, every slot held by in-flight requests) 
 slots, residency, LRU order, in-use counts and counters stay exactly as they were (a folder read before a
 :class:`NoFreeSlot` keeps its parsed copy). The one exception is a slot write failing part-way (an internal error,
 such as running out of memory): the adapters written before it stay resident, counted as loads and misses, not held.
-"Least recently used" counts an adapter as used until its last holder releases it. The store recognizes its own loads (``mm.slots.writes``): an adapter
-unloaded from ``mm`` directly, or loaded again there under the same name, is no longer taken as resident.
+"Least recently used" counts an adapter as used until its last holder releases it. The store recognizes its own
+loads (``mm.slots.writes``): an adapter unloaded from ``mm`` directly, or loaded again there under the same name, is
+no longer taken as resident.
 
 With :class:`~moe_lora_compile.graphs.DecodeGraphs` (a prefill resolves names to slots for the whole generation, so
 hold the adapters until its last step)::
@@ -219,12 +220,12 @@ class AdapterStore:
         slot and evicting least-recently-used adapters that no in-flight request holds. The adapters stay in their
         slots until :meth:`release` with the same ``names``.
 
-        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load, or for a
-        name that was loaded into the model outside this store; :class:`NoFreeSlot` (a RuntimeError) when the adapters not in
-        a slot do not fit in the slots that are free or held by no request. On any error nothing changes (slots,
-        residency, LRU order, in-use counts, counters), except that folders read before a :class:`NoFreeSlot` keep
-        their parsed host copy (counted in ``disk_loads``): a request waiting for a slot does not re-read them.
-        Held adapters are pinned in ``mm``: its unload / replace of them raise until :meth:`release`."""
+        KeyError for an unknown name; ValueError / FileNotFoundError for a folder that fails to load, or for a name that
+        was loaded into the model outside this store; :class:`NoFreeSlot` (a RuntimeError) when the adapters not in a
+        slot do not fit in the slots that are free or held by no request. On any error nothing changes (slots,
+        residency, LRU order, in-use counts, counters), except that folders read before a :class:`NoFreeSlot` keep their
+        parsed host copy (counted in ``disk_loads``): a request waiting for a slot does not re-read them. Held adapters
+        are pinned in ``mm``: its unload / replace of them raise until :meth:`release`."""
         wanted = _distinct(names)
         with self._lock:
             self._check_known(wanted)
