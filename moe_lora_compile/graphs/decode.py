@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from ..ops.contract import NO_ADAPTER
 from ..compile import canonical_layout, without_duck_sizing
 from ..models.inputs import check_prompt_values, check_token_ids
-from .common import (compile_limits, compile_options, greedy_processors, own_code, padding_token, say,
+from .common import (compile_limits, compile_options, greedy_processors, in_range, own_code, padding_token, say,
                      validated_draft)
 from .kv_cache import SharedKVStorage, SlotCache
 
@@ -78,20 +78,14 @@ def _prefill_forward(model, input_ids: Tensor, **kwargs) -> Tensor:
     return model(input_ids=input_ids, **kwargs).logits
 
 
-def _is_index(value) -> bool:
-    """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
-
-
 def _token_id(name: str, value, vocab: int) -> int:
-    """``value`` as a token id in ``[0, vocab)``, else a ValueError naming ``name``."""
+    """``value`` (an int, a numpy integer or a one-element integer tensor) as a token id in ``[0, vocab)``, else a
+    ValueError naming ``name``."""
     if isinstance(value, Tensor) and value.numel() == 1 and not value.is_floating_point():
         value = int(value)
-    if _is_index(value):  # a numpy integer too
-        value = operator.index(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < vocab:
+    if not in_range(value, vocab):
         raise ValueError(f"{name} must be a token id in [0, {vocab}), got {value!r}")
-    return value
+    return operator.index(value)
 
 
 def _window_warning(window: int, position: int, q: int, rejected: list) -> bool:
@@ -560,16 +554,12 @@ class DecodeGraphs:
         eos = gen.eos_token_id if eos_token_id is None else eos_token_id
         if isinstance(eos, Tensor) and not eos.is_floating_point() and eos.dim() <= 1:  # as mm.generate takes it
             eos = eos.tolist()
-        if type(eos).__module__ == "numpy" and getattr(eos, "ndim", None) in (0, 1):  # a numpy array of ids
+        elif not isinstance(eos, (Tensor, int, list, tuple)) and hasattr(eos, "tolist"):  # numpy scalars and arrays
             eos = eos.tolist()
-        if _is_index(eos):
-            eos = operator.index(eos)
-        elif isinstance(eos, (list, tuple)) and all(_is_index(t) for t in eos):
-            eos = [operator.index(t) for t in eos]
-        if eos is not None and not isinstance(eos, int) and not (
-                isinstance(eos, (list, tuple)) and all(isinstance(t, int) for t in eos)):
+        integer = lambda t: isinstance(t, numbers.Integral) and not isinstance(t, bool)  # noqa: E731
+        if eos is not None and not integer(eos) and not (isinstance(eos, (list, tuple)) and all(map(integer, eos))):
             raise ValueError(f"eos_token_id must be an int or a list of ints, got {eos!r}")
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = [] if eos is None else [eos] if integer(eos) else list(eos)
         eos = [_token_id("eos_token_id", t, self.vocab_size) for t in eos]
         pad = gen.pad_token_id if pad_token_id is None else pad_token_id
         if pad is None:

@@ -21,6 +21,7 @@ cache made contiguous, a raised recompile limit) and leaves the wrapper and the 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 import warnings
@@ -37,7 +38,7 @@ from ..ops.contract import NO_ADAPTER
 from .dense import (FUSIBLE_GROUPS, LoRALinear, fuse_siblings, fused_views_intact, fusion_problem,
                     point_fused_views)
 from .experts import (EXPERTS_IMPLEMENTATION, Llama4MoELoRABlock, add_lora_buffers, experts_geometry,
-                      register_experts_implementation)
+                      lora_buffer_shapes, register_experts_implementation)
 from .families import Family, family_for, find_dense_targets, find_experts, find_zero_width_targets
 from .routers import fuse_routers, verified_spec
 
@@ -699,19 +700,20 @@ def _slot_bytes(model: nn.Module, family: Family, max_loras: int, max_rank: int,
     """Bytes of the zeroed buffers attach allocates (expert and dense LoRA slots, the two id buffers; the fused
     siblings' copies not counted), and the device they go on."""
     device = next(model.parameters()).device
-    total = 2 * 4 * max_tokens
+    total = 2 * 4 * max_tokens  # token_lora_ids, sequence_lora_ids: int32
     for experts in find_experts(model, family).values():
-        E, H, I = experts_geometry(experts, family.layout)
         weight = getattr(experts, "gate_up_proj", None)
         size = (weight if weight is not None else experts.gate_up_proj_bias).element_size()
-        total += max_loras * E * max_rank * (H + 2 * I + I + H) * size
+        shapes = lora_buffer_shapes(max_loras, *experts_geometry(experts, family.layout), max_rank).values()
+        total += sum(math.prod(shape) for shape in shapes) * size
     for linear in find_dense_targets(model, family, target_modules).values():
         total += max_loras * max_rank * (linear.in_features + linear.out_features) * linear.weight.element_size()
     return total, device
 
 
 def _device_memory(device: torch.device) -> Optional[int]:
-    """Total bytes of ``device`` (CUDA: what is free now; CPU: the physical memory), None where unknown."""
+    """Bytes a new allocation on ``device`` can have at most (CUDA: what is free now; CPU: the physical memory),
+    None where unknown."""
     try:
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[0]

@@ -37,6 +37,13 @@ def experts_geometry(experts: nn.Module, layout: str) -> tuple[int, int, int]:
     return expert_geometry(layout, experts.gate_up_proj.shape, experts.down_proj.shape)
 
 
+def lora_buffer_shapes(max_loras: int, E: int, H: int, I: int, max_rank: int) -> dict[str, tuple[int, ...]]:
+    """The experts' slot buffers (name -> shape; the model dtype): A and B of gate_up and of down, per slot and
+    expert, padded to ``max_rank``."""
+    return dict(lora_a13=(max_loras, E, max_rank, H), lora_b13=(max_loras, E, 2 * I, max_rank),
+                lora_a2=(max_loras, E, max_rank, I), lora_b2=(max_loras, E, H, max_rank))
+
+
 def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routing_weight_on_input: bool,
                      max_loras: int, max_rank: int, token_lora_ids: Tensor, use_ops: bool) -> None:
     """Register zeroed slot buffers and the static MoE attributes our forward reads on ``experts``."""
@@ -45,10 +52,8 @@ def add_lora_buffers(experts: nn.Module, *, layout: str, activation: str, routin
     if weight is None:  # MXFP4 experts: LoRA in the model dtype (their biases')
         weight = experts.gate_up_proj_bias
     like = dict(dtype=weight.dtype, device=weight.device)
-    experts.register_buffer("lora_a13", torch.zeros(max_loras, E, max_rank, H, **like), persistent=False)
-    experts.register_buffer("lora_b13", torch.zeros(max_loras, E, 2 * I, max_rank, **like), persistent=False)
-    experts.register_buffer("lora_a2", torch.zeros(max_loras, E, max_rank, I, **like), persistent=False)
-    experts.register_buffer("lora_b2", torch.zeros(max_loras, E, H, max_rank, **like), persistent=False)
+    for name, shape in lora_buffer_shapes(max_loras, E, H, I, max_rank).items():
+        experts.register_buffer(name, torch.zeros(shape, **like), persistent=False)
     experts.register_buffer("lora_ranks", torch.full((2, max_loras), max_rank, dtype=torch.int32, device=weight.device),
                             persistent=False)
     experts.register_buffer("token_lora_ids", token_lora_ids, persistent=False)
